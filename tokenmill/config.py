@@ -1,0 +1,112 @@
+"""The one configuration object of an engine, built and validated once.
+
+Precedence, highest first: explicit arguments (CLI flags, ``LLM(**kwargs)``) > ``TOKENMILL_*`` environment
+variables > a TOML file (``--config path``; top-level keys, other tables such as ``[benchmark]`` belong to
+other tools) > the defaults below. No other module reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "TOKENMILL_"
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and what is allowed."""
+
+
+def parse_byte_size(value: int | float | str) -> int:
+    """'2GiB', '512MB', '1e9' or a plain number of bytes -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a byte size: {value!r} (examples: 2GiB, 512MB, 1000000)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+class EngineConfig(BaseSettings):
+    """Model, cache and scheduler settings of one engine."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # --- model
+    model: str | None = Field(None, description="HF checkpoint dir or .gguf file; None = embedded SmolLM2")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="compute dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int | None = Field(None, gt=0, description="prompt + output tokens; None = model's limit")
+    # --- KV cache
+    kv_cache_dtype: Literal["fp8", "bf16", "fp16", "fp32"] = "fp8"
+    block_size: int = Field(16, gt=0, le=1024)
+    kv_cache_memory: int = Field(2 * 2**30, gt=0, description="KV cache bytes on CPU (accepts '2GiB')")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    # --- scheduler
+    max_num_seqs: int = Field(256, gt=0)
+    max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one engine step")
+    # --- runtime
+    seed: int = 0
+    num_threads: int | None = Field(None, gt=0, description="torch CPU threads; None = torch's default")
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _parse_size(cls, value: Any) -> int:
+        return parse_byte_size(value)
+
+    @model_validator(mode="after")
+    def _check_model_path(self) -> "EngineConfig":
+        if self.model is not None and not Path(self.model).exists():
+            raise ValueError(f"model path does not exist: {self.model}")
+        return self
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file not found: {path}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    # Tables belong to other tools (e.g. [benchmark]); scalar keys are engine fields.
+    return {k: v for k, v in data.items() if not isinstance(v, dict)}
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        lines.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_config(config_file: str | os.PathLike | None = None, **overrides: Any) -> EngineConfig:
+    """Build the EngineConfig: overrides > TOKENMILL_* env > TOML file > defaults.
+
+    Overrides whose value is None are treated as "not given" (an unset CLI flag).
+    """
+    values: dict[str, Any] = _read_toml(config_file) if config_file else {}
+    values.update(EnvSettingsSource(EngineConfig)())
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return EngineConfig(**values)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc)) from None

@@ -1,0 +1,44 @@
+"""Write new K/V (or MLA latents) into the paged cache, quantizing to fp8 with per-(token, slot) scales.
+
+Cache layout (see kvcache/spec.py): ``data[num_blocks, block_size, num_slots, slot_dim]`` and, for fp8,
+``scales[num_blocks, block_size, num_slots]`` float32 with ``value ~= float(data) * scale``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+_MIN_SCALE = 1e-12  # an all-zero vector gets a tiny scale, never a division by zero
+
+
+def quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> (fp8 [..., D], float32 scales [...]) with one scale per vector."""
+    values = values.float()
+    scale = (values.abs().amax(dim=-1) / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (values / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
+
+
+def dequantize(data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of the cache's storage: fp8 * scale, or a plain cast for 16/32-bit caches."""
+    if scales is None:
+        return data.to(dtype)
+    return (data.float() * scales.unsqueeze(-1)).to(dtype)
+
+
+def write_kv_reference(data: torch.Tensor, scales: torch.Tensor | None, new: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Scatter ``new`` [T, num_slots, slot_dim] into the cache at flat slots ``slot_mapping`` [T]."""
+    num_slots, slot_dim = data.shape[-2:]
+    flat = data.view(-1, num_slots, slot_dim)
+    if scales is None:
+        flat[slot_mapping] = new.to(data.dtype)
+        return
+    quantized, scale = quantize_fp8(new)
+    flat[slot_mapping] = quantized
+    scales.view(-1, num_slots)[slot_mapping] = scale
+
+
+def write_kv(data: torch.Tensor, scales: torch.Tensor | None, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    write_kv_reference(data, scales, new, slot_mapping)

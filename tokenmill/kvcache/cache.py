@@ -1,0 +1,29 @@
+"""The KV cache tensors: one ``data`` (and, for fp8, ``scales``) tensor per layer, laid out as kvcache/spec.py says."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.kvcache.spec import KVCacheSpec
+
+STORAGE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class KVCache:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str):
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (num_blocks, spec.block_size, spec.num_slots, spec.slot_dim)
+        dtype = STORAGE_DTYPES[spec.dtype]
+        self.data = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.scales: list[torch.Tensor | None] = [
+            torch.zeros(shape[:3], dtype=torch.float32, device=device) if spec.quantized else None
+            for _ in range(spec.num_layers)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.data) + sum(t.nbytes for t in self.scales if t is not None)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.data[i], self.scales[i]

@@ -1,0 +1,52 @@
+"""What one token costs in the KV cache, and the cache's byte layout.
+
+Layout, per layer: ``data[num_blocks, block_size, num_slots, slot_dim]`` in the storage dtype and, for fp8,
+``scales[num_blocks, block_size, num_slots]`` float32. A *slot* is one independently scaled vector per token:
+- GQA/MHA: ``num_slots = 2 * num_kv_heads`` (K heads first, then V heads), ``slot_dim = head_dim``;
+- MLA: one slot holding the latent ``c_kv`` and the roped key ``k_pe`` side by side.
+fp8 is float8_e4m3fn with one float32 scale per (token, slot): ``value ~= fp8 * scale``, scale = amax / 448.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+KVCacheDtype = Literal["fp8", "bf16", "fp16", "fp32"]
+
+ELEMENT_BYTES: dict[str, int] = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+SCALE_BYTES = 4  # one float32 per (token, slot) when the cache is fp8
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_slots: int
+    slot_dim: int
+    dtype: KVCacheDtype
+    block_size: int
+
+    @classmethod
+    def for_gqa(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: KVCacheDtype,
+                block_size: int) -> "KVCacheSpec":
+        return cls(num_layers, 2 * num_kv_heads, head_dim, dtype, block_size)
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == "fp8"
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        scale = SCALE_BYTES if self.quantized else 0
+        return self.num_slots * (self.slot_dim * ELEMENT_BYTES[self.dtype] + scale)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.bytes_per_token_per_layer
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    def num_blocks_for(self, memory_bytes: int) -> int:
+        return memory_bytes // self.bytes_per_block

@@ -1,0 +1,84 @@
+"""SamplingParams: what one request asks of the sampler and of the stop checks.
+
+Validation happens at construction; an invalid value raises ``ValueError`` whose message starts with the
+parameter's name, so the server can map it to an OpenAI error with ``param`` set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamError(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16  # None: up to the model length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled token's)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            ("n", self.n >= 1, "must be >= 1"),
+            ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be -1, 0 (disabled) or a positive integer"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             "must not exceed max_tokens"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "must be non-negative token ids"),
+        ]
+        for param, ok, message in checks:
+            if not ok:
+                raise SamplingParamError(param, message)
+        for bias in (self.logit_bias or {}).values():
+            if not -100.0 <= bias <= 100.0:
+                raise SamplingParamError("logit_bias", "values must be in [-100, 100]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Token ids must exist in the model's vocabulary."""
+        for tok in list((self.logit_bias or {}).keys()) + self.stop_token_ids:
+            if not 0 <= tok < vocab_size:
+                param = "logit_bias" if tok in (self.logit_bias or {}) else "stop_token_ids"
+                raise SamplingParamError(param, f"token id {tok} is outside the vocabulary [0, {vocab_size})")

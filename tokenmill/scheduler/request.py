@@ -1,0 +1,95 @@
+"""The one object that flows through the engine: a request, its tokens, its blocks and its timing marks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Largest number of output tokens, after capping by the model length.
+    max_tokens: int
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Invariant: all_token_ids == prompt_token_ids + output_token_ids.
+    all_token_ids: list[int] = field(init=False)
+    # Tokens whose K/V sit in the cache; 0 after a preemption (recompute).
+    num_computed_tokens: int = 0
+    # Physical KV blocks, in logical order; they cover at least num_computed_tokens.
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    # What stopped the request: a token id, a stop string, or None (EOS, length, abort).
+    stop_reason: int | str | None = None
+    # Per output token: (sampled token's logprob, [(token id, logprob)] top candidates), when asked.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # Sampler state that must survive across steps (the seeded RNG). Opaque to the scheduler.
+    sampler_state: Any = None
+
+    # Timing marks (time.monotonic()).
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_token_stop(self) -> RequestStatus | None:
+        """The stop that the last sampled token triggers, if any (stop strings are the detokenizer's)."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == self.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
