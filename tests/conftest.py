@@ -1,0 +1,57 @@
+"""Shared fixtures. The SmolLM2 ones load the embedded model once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.models.loader import DEFAULT_MODEL_FILE, default_model_path
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "Write a short poem about the sea and the wind, with four lines that rhyme.",
+    "Here is a list of fruits: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, "
+    "mango, nectarine, orange, papaya, quince, raspberry, strawberry, tangerine. Which of them are citrus fruits? "
+    "Explain your answer briefly.",
+    " ".join(["In the beginning the universe was created. This has made a lot of people very angry and been "
+              "widely regarded as a bad move."] * 6) + " What happened next?",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm_hf():
+    """transformers' own LlamaForCausalLM on the dequantized GGUF weights, fp32: the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=DEFAULT_MODEL_FILE,
+                                                 dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=DEFAULT_MODEL_FILE)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm_llm():
+    """tokenmill on the same weights, fp32 compute and fp32 KV cache."""
+    from tokenmill import LLM
+
+    return LLM(dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="1GiB", max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(smollm_llm):
+    return [smollm_llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding with transformers' forward and its KV cache; EOS does not stop it."""
+    out, past, inputs = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            result = model(input_ids=inputs, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            inputs = torch.tensor([[token]])
+    return out

