@@ -1,0 +1,25 @@
+"""Test helpers that reach below the public API."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.kvcache.cache import KVCache
+from tokenmill.kvcache.manager import KVCacheManager
+from tokenmill.models.runner import ModelRunner
+from tokenmill.sampling.params import SamplingParams
+from tokenmill.scheduler.request import Request
+from tokenmill.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+
+
+@torch.inference_mode()
+def prefill_logits(model: torch.nn.Module, kv_cache: KVCache, token_ids: list[int]) -> torch.Tensor:
+    """Logits [len(token_ids), vocab] of one whole-prompt step through the runner and the paged cache."""
+    kv = KVCacheManager(kv_cache.num_blocks, kv_cache.spec.block_size)
+    request = Request("probe", list(token_ids), SamplingParams(max_tokens=1), max_tokens=1)
+    assert kv.allocate_slots(request, len(token_ids))
+    # Scatter the request over the pool's far end so block ids are not simply 0, 1, 2...
+    request.block_ids = [kv_cache.num_blocks - 1 - b for b in request.block_ids]
+    runner = ModelRunner(model, kv_cache, "cpu")
+    ids, positions, meta, _ = runner.prepare(SchedulerOutput([ScheduledChunk.next_for(request, len(token_ids))]))
+    return model.compute_logits(model(ids, positions, meta, kv_cache))

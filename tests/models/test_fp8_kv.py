@@ -1,0 +1,31 @@
+"""fp8 KV cache (with per-token, per-head scales) stays close to fp32 KV on SmolLM2."""
+
+import torch
+
+from tests.conftest import PROMPTS
+from tests.helpers import prefill_logits
+from tokenmill.kvcache.cache import KVCache
+
+
+def test_fp8_kv_mean_kl_below_threshold(smollm_llm):
+    model = smollm_llm.engine.runner.model
+    text = " ".join(PROMPTS[2:]) + " " + PROMPTS[4]
+    ids = smollm_llm.tokenizer.encode(text)
+    assert len(ids) >= 256
+    logp = {}
+    for dtype in ("fp32", "fp8"):
+        cache = KVCache(model.kv_cache_spec(dtype, 16), num_blocks=64, device="cpu")
+        logp[dtype] = prefill_logits(model, cache, ids).log_softmax(-1)
+    # KL(p_fp32 || p_fp8) per position, averaged over all positions of the text.
+    kl = (logp["fp32"].exp() * (logp["fp32"] - logp["fp8"])).sum(-1)
+    print(f"fp8 vs fp32 KV: mean KL {kl.mean():.5f}, max {kl.max():.5f} over {len(ids)} tokens")
+    assert kl.mean() < 0.02
+    assert kl.mean() > 0  # the fp8 path really quantizes
+
+
+def test_reported_kv_bytes_per_token(smollm_llm):
+    a = smollm_llm.engine.runner.model.args
+    assert smollm_llm.engine.kv_bytes_per_token == 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4  # fp32
+    fp8 = smollm_llm.engine.runner.model.kv_cache_spec("fp8", 16)
+    # SmolLM2: 30 layers, 3 KV heads of 64 dims; fp8 adds one float32 scale per (token, head) for K and for V.
+    assert fp8.bytes_per_token == 2 * 30 * 3 * 64 * 1 + 2 * 30 * 3 * 4
