@@ -4,7 +4,7 @@ permuted block tables, NaN in every unused cache slot, lengths 1 / block-aligned
 import pytest
 import torch
 
-from tokenmill.kernels.kv_write import dequantize, quantize_fp8, write_kv
+from tokenmill.kernels.kv_write import FP8_TO_FP16_FACTOR, dequantize, fp8_bits_as_fp16, quantize_fp8, write_kv
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kernels.paged_attention import paged_attention
 from tokenmill.kvcache.cache import KVCache
@@ -32,11 +32,12 @@ def test_mixed_batch_matches_dense(kv_dtype):
     num_blocks = 64
     cache = KVCache(KVCacheSpec.for_gqa(1, hkv, d, kv_dtype, block_size), num_blocks, "cpu")
     data, scales = cache.layer(0)
-    data.view(torch.uint8).fill_(0x7F)  # 0x7F is NaN in float8_e4m3fn ...
+    # Every pool slot starts as NaN (0x7F in float8_e4m3fn); only the null block stays zero.
     if kv_dtype == "fp32":
-        data.fill_(float("nan"))  # ... and NaN here
+        data[:num_blocks].fill_(float("nan"))
     else:
-        scales.fill_(float("nan"))
+        data[:num_blocks].view(torch.uint8).fill_(0x7F)
+        scales[:num_blocks].fill_(float("nan"))
     perm = torch.randperm(num_blocks).tolist()  # block tables point at scattered physical blocks
     tables, slots, qs, starts, seq_lens, refs = [], [], [], [0], [], []
     full_k, full_v = [], []
@@ -66,12 +67,19 @@ def test_mixed_batch_matches_dense(kv_dtype):
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(
         slot_mapping=slot_mapping, query_start_loc=starts, seq_lens=seq_lens,
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]), block_size=block_size,
+        block_tables=torch.tensor([t + [cache.null_block] * (width - len(t)) for t in tables]), block_size=block_size,
         decode_indices=[i for i, (_, new) in enumerate(shapes) if new == 1],
         prefill_indices=[i for i, (_, new) in enumerate(shapes) if new > 1])
     out = paged_attention(torch.cat(qs), data, scales, meta, sm_scale)
     assert not out.isnan().any()
     torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_bit_trick_is_exact_for_every_finite_value():
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = ~every.float().isnan()
+    got = fp8_bits_as_fp16(every).float() * FP8_TO_FP16_FACTOR
+    assert torch.equal(got[finite], every.float()[finite])
 
 
 def test_fp8_roundtrip_error_is_small():

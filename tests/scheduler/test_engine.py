@@ -23,7 +23,7 @@ def test_preemption_gives_identical_outputs_and_frees_pool(smollm_llm, prompt_id
     expected = [r.token_ids for r in smollm_llm.generate(short, GREEDY)]
     kv_bytes_per_token = smollm_llm.engine.kv_bytes_per_token
     tight = LLM(dtype="float32", kv_cache_dtype="fp32", block_size=16, max_model_len=320,
-                kv_cache_memory=320 * kv_bytes_per_token)
+                kv_cache_memory=(320 + 16) * kv_bytes_per_token)  # + the null block
     engine = tight.engine
     assert engine.scheduler.kv.capacity_tokens == 320
     assert sum(len(p) + GREEDY.max_tokens for p in short) > 320

@@ -1,7 +1,8 @@
 """Write new K/V (or MLA latents) into the paged cache, quantizing to fp8 with per-(token, slot) scales.
 
-Cache layout (see kvcache/spec.py): ``data[num_blocks, block_size, num_slots, slot_dim]`` and, for fp8,
-``scales[num_blocks, block_size, num_slots]`` float32 with ``value ~= float(data) * scale``.
+Cache layout (see kvcache/spec.py): ``data[num_blocks + 1, block_size, num_slots, slot_dim]`` and, for fp8,
+``scales[num_blocks + 1, block_size, num_slots]`` float32 with ``value ~= float(data) * scale``. The last
+block is the *null block*: always zero, never handed out, the target of every padded read.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 _MIN_SCALE = 1e-12  # an all-zero vector gets a tiny scale, never a division by zero
+# fp8_bits_as_fp16(x) == float(x) / FP8_TO_FP16_FACTOR for every finite e4m3fn x (normal and subnormal).
+FP8_TO_FP16_FACTOR = 256.0
 
 
 def quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,11 +23,22 @@ def quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (values / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
 
 
+def fp8_bits_as_fp16(data: torch.Tensor) -> torch.Tensor:
+    """Reinterpret e4m3fn bits (s eeee mmm, bias 7) as fp16 (s eeeee mmmmmmmmmm, bias 15) with integer ops.
+
+    Moving the exponent and mantissa into fp16's fields gives the value times 2^-8 (the bias gap), exactly,
+    for normals and subnormals alike. torch's own fp8 -> float cast is scalar on CPU; this is ~3x faster.
+    """
+    bits = data.view(torch.uint8).to(torch.int16)
+    return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).view(torch.float16)
+
+
 def dequantize(data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of the cache's storage: fp8 * scale, or a plain cast for 16/32-bit caches."""
     if scales is None:
         return data.to(dtype)
-    return (data.float() * scales.unsqueeze(-1)).to(dtype)
+    values = fp8_bits_as_fp16(data).to(dtype if dtype != torch.float16 else torch.float32)
+    return (values * (scales * FP8_TO_FP16_FACTOR).unsqueeze(-1)).to(dtype)
 
 
 def write_kv_reference(data: torch.Tensor, scales: torch.Tensor | None, new: torch.Tensor,

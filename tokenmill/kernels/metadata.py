@@ -15,7 +15,7 @@ class AttentionMetadata:
     query_start_loc: list[int]
     # [B] tokens in the cache for each request once this step's tokens are written (context + new).
     seq_lens: list[int]
-    # [B, max_blocks] int64 physical block ids, padded with 0 (padding is masked by seq_lens).
+    # [B, max_blocks] int64 physical block ids, padded with the cache's null block.
     block_tables: torch.Tensor
     block_size: int
     # Indices of the requests whose chunk is a single token (decodes), batched together by the reference.

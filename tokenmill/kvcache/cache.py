@@ -1,4 +1,8 @@
-"""The KV cache tensors: one ``data`` (and, for fp8, ``scales``) tensor per layer, laid out as kvcache/spec.py says."""
+"""The KV cache tensors: one ``data`` (and, for fp8, ``scales``) tensor per layer, laid out as kvcache/spec.py says.
+
+Each tensor has ``num_blocks + 1`` blocks: block ``num_blocks`` is the null block, all zeros, never in the
+pool; padded block-table entries point at it so that padded reads yield finite zeros.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ class KVCache:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str):
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (num_blocks, spec.block_size, spec.num_slots, spec.slot_dim)
+        self.null_block = num_blocks
+        shape = (num_blocks + 1, spec.block_size, spec.num_slots, spec.slot_dim)
         dtype = STORAGE_DTYPES[spec.dtype]
         self.data = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.scales: list[torch.Tensor | None] = [

@@ -1,7 +1,7 @@
 """What one token costs in the KV cache, and the cache's byte layout.
 
-Layout, per layer: ``data[num_blocks, block_size, num_slots, slot_dim]`` in the storage dtype and, for fp8,
-``scales[num_blocks, block_size, num_slots]`` float32. A *slot* is one independently scaled vector per token:
+Layout, per layer: ``data[num_blocks + 1, block_size, num_slots, slot_dim]`` in the storage dtype and, for
+fp8, ``scales[num_blocks + 1, block_size, num_slots]`` float32 (the extra block is the zero null block). A *slot* is one independently scaled vector per token:
 - GQA/MHA: ``num_slots = 2 * num_kv_heads`` (K heads first, then V heads), ``slot_dim = head_dim``;
 - MLA: one slot holding the latent ``c_kv`` and the roped key ``k_pe`` side by side.
 fp8 is float8_e4m3fn with one float32 scale per (token, slot): ``value ~= fp8 * scale``, scale = amax / 448.

@@ -32,7 +32,8 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(starts[-1] - 1)
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        null = self.kv_cache.null_block
+        block_tables = torch.tensor([t + [null] * (width - len(t)) for t in tables], dtype=torch.long)
         positions = torch.cat([torch.arange(c.start, c.start + c.num_tokens) for c in out.chunks])
         request_of_token = torch.repeat_interleave(torch.arange(len(out.chunks)),
                                                    torch.tensor([c.num_tokens for c in out.chunks]))

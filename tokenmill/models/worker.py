@@ -54,7 +54,7 @@ def load_model_and_cache(checkpoint: Checkpoint, config: EngineConfig) -> Loaded
     model = model.to_device(device, dtype).eval()
 
     spec = model.kv_cache_spec(config.kv_cache_dtype, config.block_size)
-    num_blocks = spec.num_blocks_for(_kv_budget(config, device))
+    num_blocks = spec.num_blocks_for(_kv_budget(config, device)) - 1  # one block is the cache's null block
     capacity = num_blocks * spec.block_size
     max_model_len = config.max_model_len or model.max_position
     if max_model_len > model.max_position:

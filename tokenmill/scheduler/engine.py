@@ -14,6 +14,7 @@ from tokenmill.models.loader import open_checkpoint
 from tokenmill.models.runner import ModelRunner
 from tokenmill.models.tokenizer import Tokenizer
 from tokenmill.models.worker import load_model_and_cache
+from tokenmill.runtime import keep_freed_memory_in_heap
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.scheduler.detokenizer import IncrementalDetokenizer
@@ -33,6 +34,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.resolved_device() == "cpu":
+            keep_freed_memory_in_heap()
         checkpoint = open_checkpoint(config.model)
         self.model_name = checkpoint.name
         self.tokenizer = Tokenizer(checkpoint)

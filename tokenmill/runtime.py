@@ -1,0 +1,35 @@
+"""Process-level tuning for CPU inference."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+log = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's largest allowed value on 64-bit
+
+
+def keep_freed_memory_in_heap() -> bool:
+    """Stop glibc from handing each step's large temporaries back to the OS.
+
+    By default glibc serves big allocations with fresh mmaps and trims the heap on free, so every engine step
+    page-faults its activation and KV-gather buffers in again (measured: a 64-request bf16 decode step went
+    from ~420 ms to ~200 ms on 2 cores with this). Returns False where there is no glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = all(libc.mallopt(param, value) == 1 for param, value in (
+            (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2**30), (_M_TOP_PAD, 64 * 2**20)))
+    except (OSError, AttributeError):
+        return False
+    if not ok:
+        log.debug("mallopt refused the allocator settings")
+    return ok
