@@ -13,13 +13,25 @@ from tokenmill.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 
 
 @torch.inference_mode()
-def prefill_logits(model: torch.nn.Module, kv_cache: KVCache, token_ids: list[int]) -> torch.Tensor:
-    """Logits [len(token_ids), vocab] of one whole-prompt step through the runner and the paged cache."""
+def teacher_forced_logits(model: torch.nn.Module, kv_cache: KVCache, token_ids: list[int],
+                          chunk: int | None = None) -> torch.Tensor:
+    """Logits [len(token_ids), vocab] of a request fed through the runner and the paged cache ``chunk`` tokens
+    per step (None: the whole prompt in one step; 1: every position is a decode reading the cache)."""
     kv = KVCacheManager(kv_cache.num_blocks, kv_cache.spec.block_size)
     request = Request("probe", list(token_ids), SamplingParams(max_tokens=1), max_tokens=1)
     assert kv.allocate_slots(request, len(token_ids))
     # Scatter the request over the pool's far end so block ids are not simply 0, 1, 2...
     request.block_ids = [kv_cache.num_blocks - 1 - b for b in request.block_ids]
     runner = ModelRunner(model, kv_cache, "cpu")
-    ids, positions, meta, _ = runner.prepare(SchedulerOutput([ScheduledChunk.next_for(request, len(token_ids))]))
-    return model.compute_logits(model(ids, positions, meta, kv_cache))
+    chunk = chunk or len(token_ids)
+    logits = []
+    while request.num_computed_tokens < len(token_ids):
+        step = ScheduledChunk.next_for(request, min(chunk, len(token_ids) - request.num_computed_tokens))
+        ids, positions, meta, _ = runner.prepare(SchedulerOutput([step]))
+        logits.append(model.compute_logits(model(ids, positions, meta, kv_cache)))
+        request.num_computed_tokens += step.num_tokens
+    return torch.cat(logits)
+
+
+def prefill_logits(model: torch.nn.Module, kv_cache: KVCache, token_ids: list[int]) -> torch.Tensor:
+    return teacher_forced_logits(model, kv_cache, token_ids)

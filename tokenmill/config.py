@@ -44,7 +44,7 @@ class EngineConfig(BaseSettings):
     # --- model
     model: str | None = Field(None, description="HF checkpoint dir or .gguf file; None = embedded SmolLM2")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="compute dtype; auto = bfloat16 on CUDA, float32 on CPU")
+        "auto", description="compute dtype; auto = bfloat16")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(None, gt=0, description="prompt + output tokens; None = model's limit")
     # --- KV cache

@@ -58,8 +58,11 @@ def test_mixed_batch_matches_dense(kv_dtype):
         full_v.append(v)
         starts.append(starts[-1] + new)
         seq_lens.append(n)
-        if kv_dtype == "fp8":  # the reference sees what the cache holds
-            k, v = (dequantize(*quantize_fp8(t), torch.float32) for t in (k, v))
+        if kv_dtype == "fp8":  # the reference sees what the cache holds ...
+            kq, vq = (dequantize(*quantize_fp8(t), torch.float32) for t in (k, v))
+            # ... except a prefill chunk's own tokens, which it attends unquantized.
+            own = ctx if new > 1 else n
+            k, v = torch.cat([kq[:own], k[own:]]), torch.cat([vq[:own], v[own:]])
         refs.append(dense_causal(q, k, v, sm_scale))
     slot_mapping = torch.cat(slots)
     new_kv = torch.cat([torch.cat([k, v], dim=1)[ctx:] for (ctx, _), k, v in zip(shapes, full_k, full_v)])
@@ -70,7 +73,7 @@ def test_mixed_batch_matches_dense(kv_dtype):
         block_tables=torch.tensor([t + [cache.null_block] * (width - len(t)) for t in tables]), block_size=block_size,
         decode_indices=[i for i, (_, new) in enumerate(shapes) if new == 1],
         prefill_indices=[i for i, (_, new) in enumerate(shapes) if new > 1])
-    out = paged_attention(torch.cat(qs), data, scales, meta, sm_scale)
+    out = paged_attention(torch.cat(qs), new_kv[:, :hkv], new_kv[:, hkv:], data, scales, meta, sm_scale)
     assert not out.isnan().any()
     torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)
 

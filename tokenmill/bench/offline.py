@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="tokenmill compute dtypes to measure")
     parser.add_argument("--kv-cache-dtypes", default="fp8", help="tokenmill KV cache dtypes to measure")
-    parser.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--hf-dtypes", default="float32,bfloat16", help="transformers dtypes to measure")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", help="write all results to this file")
@@ -79,9 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         for kv in args.kv_cache_dtypes.split(","):
             results.append(bench_tokenmill(prompts, args.output_len, dtype=dtype, kv_cache_dtype=kv))
             print(json.dumps(results[-1]), flush=True)
-    if not args.skip_transformers:
-        results.append(bench_transformers(prompts, args.output_len, getattr(torch, args.hf_dtype),
-                                          args.hf_batch_size))
+    for dtype in [] if args.skip_transformers else args.hf_dtypes.split(","):
+        results.append(bench_transformers(prompts, args.output_len, getattr(torch, dtype), args.hf_batch_size))
         print(json.dumps(results[-1]), flush=True)
 
     print(f"\n{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} output) tokens, "
@@ -89,10 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     print("| engine | config | seconds | output tok/s |\n|---|---|---|---|")
     for r in results:
         print(f"| {r['engine']} | {r['config']} | {r['seconds']:.1f} | {r['output_tok_per_s']:.1f} |")
-    baseline = next((r for r in results if r["engine"] != "tokenmill"), None)
-    if baseline:
-        for r in results[:-1]:
-            print(f"tokenmill {r['config']} / transformers: {r['output_tok_per_s'] / baseline['output_tok_per_s']:.2f}x")
+    ours = [r for r in results if r["engine"] == "tokenmill"]
+    for base in (r for r in results if r["engine"] != "tokenmill"):
+        for r in ours:
+            ratio = r["output_tok_per_s"] / base["output_tok_per_s"]
+            print(f"tokenmill {r['config']} / transformers {base['config']['dtype']}: {ratio:.2f}x")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "results": results}, fh, indent=2)

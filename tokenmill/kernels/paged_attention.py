@@ -6,6 +6,10 @@ null block) with optional fp8 ``scales[num_blocks + 1, block_size, 2 * Hkv]``; o
 dtype. A request's queries are its last ``query_len`` tokens of ``seq_len``: query i sees keys
 ``0 .. seq_len - query_len + i``. The new tokens' K/V must already be written.
 
+Which K/V a query sees: a decode (query_len 1) reads all its keys from the cache; a prefill chunk reads its
+cached prefix from the cache and its own tokens from ``k_new``/``v_new`` [T, Hkv, D] as computed, unquantized
+(as vLLM's prefix-prefill kernel does), so a prompt's first token does not depend on the cache dtype.
+
 Reads past a sequence's end are redirected to the null block, so unused cache slots (whatever they hold,
 NaN included) never reach a result.
 """
@@ -63,26 +67,29 @@ def _decode_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor 
     return torch.matmul(weights, v).reshape(batch, hq, dim).to(q.dtype)
 
 
-def _prefill_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
-                       sm_scale: float) -> torch.Tensor:
-    """q [L, Hq, D], the request's last L tokens, over all its slots [N] -> [L, Hq, D]."""
+def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
+                       scales: torch.Tensor | None, prefix_slots: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """q, k_new, v_new [L, H, D]: a chunk's own tokens, after the cached prefix at ``prefix_slots`` [P]."""
     q_len, hq, _ = q.shape
-    seq_len = slots.shape[0]
-    (k, v), scale = _gather(data, scales, slots, q.dtype)  # [Hkv, N, D], [Hkv, N]
-    if scale is not None:
-        k, v = k * scale[0].unsqueeze(-1).to(q.dtype), v * scale[1].unsqueeze(-1).to(q.dtype)
-    if q_len == seq_len:
-        mask, causal = None, True
-    else:
-        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask, causal = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None], False
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, is_causal=causal,
+    k, v = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [Hkv, L, D]
+    prefix_len = prefix_slots.shape[0]
+    if prefix_len:
+        (k_old, v_old), scale = _gather(data, scales, prefix_slots, q.dtype)  # [Hkv, P, D], [Hkv, P]
+        if scale is not None:
+            k_old, v_old = k_old * scale[0].unsqueeze(-1).to(q.dtype), v_old * scale[1].unsqueeze(-1).to(q.dtype)
+        k, v = torch.cat([k_old, k], dim=1), torch.cat([v_old, v], dim=1)
+    mask = None
+    if prefix_len:
+        seq_len = prefix_len + q_len
+        query_pos = torch.arange(prefix_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, is_causal=mask is None,
                                          scale=sm_scale, enable_gqa=hq != k.shape[0])
     return out.transpose(0, 1)
 
 
-def paged_attention_reference(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
-                              meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
+def paged_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
+                              scales: torch.Tensor | None, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
     out = torch.empty_like(q)
     null_slot = (data.shape[0] - 1) * meta.block_size
     if meta.decode_indices:
@@ -94,13 +101,15 @@ def paged_attention_reference(q: torch.Tensor, data: torch.Tensor, scales: torch
         valid = torch.arange(max_len, device=q.device) < lens[:, None]
         out[rows] = _decode_attention(q[rows], data, scales, slots, valid, sm_scale)
     for i in meta.prefill_indices:
-        start, end, seq_len = meta.query_start_loc[i], meta.query_start_loc[i + 1], meta.seq_lens[i]
-        lens = torch.tensor([seq_len], device=q.device)
-        slots = token_slots(meta.block_tables[i:i + 1], lens, seq_len, meta.block_size, null_slot)[0]
-        out[start:end] = _prefill_attention(q[start:end], data, scales, slots, sm_scale)
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        prefix_len = meta.seq_lens[i] - (end - start)
+        lens = torch.tensor([prefix_len], device=q.device)
+        slots = token_slots(meta.block_tables[i:i + 1], lens, prefix_len, meta.block_size, null_slot)[0]
+        out[start:end] = _prefill_attention(q[start:end], k_new[start:end], v_new[start:end], data, scales, slots,
+                                            sm_scale)
     return out
 
 
-def paged_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, meta: AttentionMetadata,
-                    sm_scale: float) -> torch.Tensor:
-    return paged_attention_reference(q, data, scales, meta, sm_scale)
+def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
+                    scales: torch.Tensor | None, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
+    return paged_attention_reference(q, k_new, v_new, data, scales, meta, sm_scale)

@@ -33,5 +33,5 @@ class PagedGQAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         data, scales = cache
         write_kv(data, scales, torch.cat([k, v], dim=1), meta.slot_mapping)  # slots: K heads, then V heads
-        out = paged_attention(q, data, scales, meta, self.sm_scale)
+        out = paged_attention(q, k, v, data, scales, meta, self.sm_scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
