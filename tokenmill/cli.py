@@ -1,4 +1,5 @@
-"""One entry point: ``tokenmill generate``. Every EngineConfig field is a flag (``--kv-cache-dtype`` etc.)."""
+"""One entry point: ``tokenmill serve | generate``. Every EngineConfig field is a flag (``--kv-cache-dtype``
+etc.); flags beat ``TOKENMILL_*`` environment variables, which beat the ``--config`` TOML file."""
 
 from __future__ import annotations
 
@@ -7,28 +8,43 @@ import logging
 import sys
 import typing
 
-from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.config import SERVER_FIELDS, ConfigError, EngineConfig, load_config
 
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", dest="config_file", help="TOML file with engine settings")
-    for name, field in EngineConfig.model_fields.items():
-        if name == "model":
-            continue
-        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, choices=choices,
-                            help=f"{field.description or name} (default: {field.default})")
+def _add_config_flags(parser: argparse.ArgumentParser, fields: typing.Iterable[str]) -> None:
+    parser.add_argument("--config", dest="config_file", help="TOML file with settings (top-level keys)")
+    for name in fields:
+        field = EngineConfig.model_fields[name]
+        flag, annotation = "--" + name.replace("_", "-"), field.annotation
+        default = field.default_factory() if field.default_factory else field.default
+        help_text = f"{field.description or name} (default: {default})"
+        if typing.get_origin(annotation) is list:
+            parser.add_argument(flag, dest=name, action="append", default=None, help=help_text)
+        elif annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            literal = typing.get_origin(annotation) is typing.Literal
+            parser.add_argument(flag, dest=name, default=None, help=help_text,
+                                choices=typing.get_args(annotation) if literal else None)
 
 
-def _engine_overrides(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, name) for name in EngineConfig.model_fields if name != "model"}
+def _config(args: argparse.Namespace, fields: typing.Iterable[str]) -> EngineConfig:
+    return load_config(args.config_file, model=args.model, **{name: getattr(args, name) for name in fields})
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.server.launch import serve
+
+    return serve(_config(args, args.fields))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from tokenmill.llm import LLM
     from tokenmill.sampling.params import SamplingParams
 
-    llm = LLM(model=args.model, config_file=args.config_file, **_engine_overrides(args))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = _config(args, args.fields)
+    llm = LLM(**config.model_dump(exclude=SERVER_FIELDS))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed_sampling)
     if args.raw:
         result = llm.generate(args.prompt, params)[0]
@@ -41,6 +57,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    engine_fields = [f for f in EngineConfig.model_fields if f != "model" and f not in SERVER_FIELDS]
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve.add_argument("model", nargs="?", default=None, help="HF checkpoint dir or .gguf file "
+                                                              "(default: the embedded SmolLM2)")
+    _add_config_flags(serve, engine_fields + sorted(SERVER_FIELDS))
+    serve.set_defaults(func=_cmd_serve, fields=engine_fields + sorted(SERVER_FIELDS))
+
     gen = sub.add_parser("generate", help="answer one prompt and print the text")
     gen.add_argument("prompt")
     gen.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: embedded SmolLM2)")
@@ -48,19 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed-sampling", type=int, default=None, help="seed of this request's sampling")
     gen.add_argument("--raw", action="store_true", help="complete the prompt as is, without the chat template")
-    _add_engine_flags(gen)
-    gen.set_defaults(func=_cmd_generate)
+    _add_config_flags(gen, engine_fields)
+    gen.set_defaults(func=_cmd_generate, fields=engine_fields)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     from tokenmill.models.loader import ModelLoadError
     from tokenmill.sampling.params import SamplingParamError
 
     try:
         return args.func(args)
-    except (ConfigError, ModelLoadError, SamplingParamError) as exc:
+    except (ConfigError, ModelLoadError, SamplingParamError, ValueError) as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,11 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
 
+# Fields only `tokenmill serve` uses; the other commands take the rest.
+SERVER_FIELDS = frozenset({"host", "port", "served_model_name", "api_key", "api_key_file", "auth_all_endpoints",
+                           "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json"})
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and what is allowed."""
 
@@ -58,6 +63,19 @@ class EngineConfig(BaseSettings):
     # --- runtime
     seed: int = 0
     num_threads: int | None = Field(None, gt=0, description="torch CPU threads; None = torch's default")
+    # --- server (used by `tokenmill serve` only)
+    host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 to listen on every interface")
+    port: int = Field(8000, ge=0, le=65535)
+    served_model_name: str | None = Field(None, description="model id in the API; default: the checkpoint's name")
+    api_key: list[str] = Field(default_factory=list, description="accepted API key (repeatable)")
+    api_key_file: str | None = Field(None, description="file of 'name: key' lines")
+    auth_all_endpoints: bool = Field(False, description="also require a key for /health, /ready and /metrics")
+    cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origin (repeatable)")
+    shutdown_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests get to finish on SIGTERM")
+    admission_overcommit: float = Field(
+        2.0, gt=0, description="admit while promised tokens (prompt + max_tokens of live requests) <= this x "
+                               "KV cache tokens; beyond it requests get 429")
+    log_json: bool = Field(False, description="one JSON object per log line")
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
@@ -65,9 +83,11 @@ class EngineConfig(BaseSettings):
         return parse_byte_size(value)
 
     @model_validator(mode="after")
-    def _check_model_path(self) -> "EngineConfig":
+    def _check_paths(self) -> "EngineConfig":
         if self.model is not None and not Path(self.model).exists():
             raise ValueError(f"model path does not exist: {self.model}")
+        if self.api_key_file is not None and not Path(self.api_key_file).is_file():
+            raise ValueError(f"api_key_file does not exist: {self.api_key_file}")
         return self
 
     def resolved_device(self) -> str:

@@ -56,9 +56,13 @@ class LLMEngine:
     def kv_bytes_per_token(self) -> int:
         return self.kv_spec.bytes_per_token
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None) -> Request:
-        """Validate and queue a request. Raises ValueError (ContextLengthError, SamplingParamError) on bad input."""
+    def make_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                     arrival_time: float | None = None) -> Request:
+        """Validate a request without queueing it (safe from any thread).
+
+        Raises ValueError (ContextLengthError, SamplingParamError) on bad input. ``max_tokens=None`` means up to
+        the model length.
+        """
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
         if not all(0 <= t < self.vocab_size for t in prompt_token_ids):
@@ -71,12 +75,21 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{len(prompt_token_ids) + wanted} tokens ({len(prompt_token_ids)} in the prompt, {wanted} for "
                 f"the completion). Please reduce the prompt or the completion length.")
-        request = Request(request_id or uuid.uuid4().hex, list(prompt_token_ids), params, max_tokens=wanted,
-                          eos_token_id=self.tokenizer.eos_token_id,
-                          arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        return Request(request_id or uuid.uuid4().hex, list(prompt_token_ids), params, max_tokens=wanted,
+                       eos_token_id=self.tokenizer.eos_token_id,
+                       arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+
+    def add(self, request: Request) -> None:
+        """Queue a request made by ``make_request``; call from the thread that steps the engine."""
         self.scheduler.add_request(request)
+        params = request.sampling_params
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None) -> Request:
+        request = self.make_request(prompt_token_ids, params, request_id, arrival_time)
+        self.add(request)
         return request
 
     def abort(self, request_id: str) -> RequestOutput | None:

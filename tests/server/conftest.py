@@ -1,0 +1,86 @@
+"""Live tokenmill servers in subprocesses on 127.0.0.1, one per configuration."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+API_KEY = "sk-test-key-0123456789"
+ALICE_KEY = "sk-alice-9876543210"
+FP32 = ["--dtype", "float32", "--kv-cache-dtype", "fp32"]
+
+
+@dataclass
+class LiveServer:
+    process: subprocess.Popen
+    base_url: str
+    log_path: str
+
+    @property
+    def root(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+    def log(self) -> str:
+        with open(self.log_path) as fh:
+            return fh.read()
+
+    def metrics_text(self) -> str:
+        return httpx.get(self.root + "/metrics", timeout=10).text
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp_path, *args: str, ready_timeout: float = 120.0) -> LiveServer:
+    port = free_port()
+    log_path = str(tmp_path / f"server-{port}.log")
+    cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--kv-cache-memory", "512MiB",
+           "--max-model-len", "2048", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    server = LiveServer(process, f"http://127.0.0.1:{port}/v1", log_path)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.root + "/ready", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop_server(server)
+    raise RuntimeError(f"server not ready in {ready_timeout} s:\n{server.log()}")
+
+
+def stop_server(server: LiveServer) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGINT)
+        try:
+            server.process.wait(20)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def fp32_server(tmp_path_factory):
+    """fp32 compute and KV (deterministic enough to compare tokens), with API keys."""
+    tmp = tmp_path_factory.mktemp("fp32")
+    keys = tmp / "keys.txt"
+    keys.write_text(f"# name: key\nalice: {ALICE_KEY}\n")
+    server = start_server(tmp, *FP32, "--api-key", API_KEY, "--api-key-file", str(keys))
+    yield server
+    stop_server(server)

@@ -1,0 +1,109 @@
+"""Raw SSE bytes, /metrics through prometheus-client's parser, and aborts on client disconnect."""
+
+import json
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import ALICE_KEY, API_KEY, MODEL
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def metric_samples(server) -> dict[str, list]:
+    families = text_string_to_metric_families(server.metrics_text())
+    return {f.name: f.samples for f in families}
+
+
+def sample_value(samples, name: str, **labels) -> float:
+    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_raw_sse_bytes(fp32_server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6, "stream": True,
+            "temperature": 0}
+    with httpx.stream("POST", fp32_server.base_url + "/chat/completions", json=body, headers=HEADERS) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(r.iter_raw())
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    for event in events[:-2]:
+        if event.startswith(b":"):  # an SSE comment (keep-alive ping) is allowed
+            continue
+        assert event.startswith(b"data: ") and b"\r" not in event and b"\n" not in event
+        assert json.loads(event[len(b"data: "):])["object"] == "chat.completion.chunk"
+
+
+def test_errors_come_before_any_stream_byte(fp32_server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 99_999}
+    r = httpx.post(fp32_server.base_url + "/chat/completions", json=body, headers=HEADERS)
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_metrics_parse_and_count(fp32_server):
+    for key in (API_KEY, ALICE_KEY):
+        httpx.post(fp32_server.base_url + "/completions", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True}).raise_for_status()
+    samples = metric_samples(fp32_server)
+    for hist in ("tokenmill:time_to_first_token_seconds", "tokenmill:inter_token_latency_seconds",
+                 "tokenmill:e2e_request_latency_seconds", "tokenmill:request_queue_time_seconds"):
+        assert sample_value(samples[hist], hist + "_count", model_name=MODEL) >= 2, hist
+    # TTFT buckets start at 1 ms, ITL buckets at 0.5 ms.
+    le = {s.labels["le"] for s in samples["tokenmill:inter_token_latency_seconds"] if "le" in s.labels}
+    assert "0.0005" in le
+    gen = samples["tokenmill:generation_tokens"]
+    assert sample_value(gen, "tokenmill:generation_tokens_total") >= 8
+    keys = samples["tokenmill:key_tokens"]
+    assert sample_value(keys, "tokenmill:key_tokens_total", key_name="alice", kind="generation") == 4
+    assert sample_value(keys, "tokenmill:key_tokens_total", key_name="key-1", kind="prompt") > 0
+    text = fp32_server.metrics_text()
+    assert API_KEY not in text and ALICE_KEY not in text
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "admission_saturation"):
+        assert "tokenmill:" + gauge in samples
+    assert API_KEY not in fp32_server.log() and ALICE_KEY not in fp32_server.log()
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(fp32_server):
+    before = sample_value(metric_samples(fp32_server)["tokenmill:requests_aborted"],
+                          "tokenmill:requests_aborted_total")
+    body = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 1500,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", fp32_server.base_url + "/completions", json=body, headers=HEADERS) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few tokens arrived: the request is running
+        assert any(line.startswith("data: ") for line in got)
+        running = metric_samples(fp32_server)["tokenmill:num_requests_running"]
+        assert sample_value(running, "tokenmill:num_requests_running") == 1
+    # The socket is closed; within a step or so the engine aborts and frees every block.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        samples = metric_samples(fp32_server)
+        aborted = sample_value(samples["tokenmill:requests_aborted"], "tokenmill:requests_aborted_total")
+        usage = sample_value(samples["tokenmill:kv_cache_usage_perc"], "tokenmill:kv_cache_usage_perc")
+        if aborted == before + 1 and usage == 0.0:
+            break
+        time.sleep(0.1)
+    assert aborted == before + 1
+    assert usage == 0.0
+    assert sample_value(samples["tokenmill:num_requests_running"], "tokenmill:num_requests_running") == 0
+
+
+def test_disconnect_non_stream_aborts(fp32_server):
+    before = sample_value(metric_samples(fp32_server)["tokenmill:requests_aborted"],
+                          "tokenmill:requests_aborted_total")
+    body = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 1500, "ignore_eos": True}
+    try:
+        httpx.post(fp32_server.base_url + "/completions", json=body, headers=HEADERS, timeout=1.5)
+    except httpx.ReadTimeout:
+        pass  # the client gives up and closes the connection
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        samples = metric_samples(fp32_server)
+        if sample_value(samples["tokenmill:requests_aborted"], "tokenmill:requests_aborted_total") == before + 1:
+            break
+        time.sleep(0.1)
+    assert sample_value(samples["tokenmill:requests_aborted"], "tokenmill:requests_aborted_total") == before + 1
+    assert sample_value(samples["tokenmill:kv_cache_usage_perc"], "tokenmill:kv_cache_usage_perc") == 0.0

@@ -1,0 +1,181 @@
+"""The FastAPI app: routes, auth, readiness, draining, in-flight accounting.
+
+Lifecycle: the app answers at once; the engine loads in a background thread (``/ready`` is 503 and ``/v1/*``
+is 503 until it is up). ``begin_drain`` turns ``/ready`` and new ``/v1/*`` requests to 503 while the
+requests in flight finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Header, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette import EventSourceResponse
+
+from tokenmill.server.auth import Authenticator
+from tokenmill.server.chat import chat_response, chat_stream, prepare_chat
+from tokenmill.server.completions import completion_response, completion_stream, prepare_completion
+from tokenmill.server.errors import APIError, install_error_handlers
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.server.serving import ServerContext
+
+log = logging.getLogger(__name__)
+
+
+class InFlight:
+    """ASGI middleware counting /v1/ requests until their last response byte (streams included)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self.count = 0
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        self.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.count -= 1
+
+
+class ServerState:
+    def __init__(self, authenticator: Authenticator, auth_all_endpoints: bool):
+        self.auth = authenticator
+        self.auth_all_endpoints = auth_all_endpoints
+        self.ctx: ServerContext | None = None
+        self.load_error: BaseException | None = None
+        self.draining = False
+        self.in_flight: InFlight | None = None
+        self.created = int(time.time())
+        # Called when the model fails to load: a server that can never be ready should exit, not linger.
+        self.on_load_failure: Callable[[], None] = lambda: None
+
+    def ready_context(self) -> ServerContext:
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", "service_unavailable_error")
+        if self.ctx is None:
+            raise APIError(503, "The model is still loading.", "service_unavailable_error")
+        return self.ctx
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """Run ``work``; if the client goes away first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origins: list[str]) -> InFlight:
+    """The ASGI app to serve: the FastAPI app wrapped in in-flight accounting (also kept as state.in_flight)."""
+    def load_in_background() -> None:
+        try:
+            state.ctx = load()
+        except BaseException as exc:  # noqa: BLE001 - reported by /health and the log
+            log.error("model failed to load: %s", exc)
+            state.load_error = exc
+            state.on_load_failure()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        threading.Thread(target=load_in_background, name="tokenmill-load", daemon=True).start()
+        yield
+
+    app = FastAPI(title="tokenmill", lifespan=lifespan)
+    install_error_handlers(app)
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"])
+
+    def key_name(authorization: str | None, endpoint_is_open: bool = False) -> str | None:
+        if endpoint_is_open and not state.auth_all_endpoints:
+            return None
+        return state.auth.check(authorization)
+
+    @app.get("/health")
+    async def health(authorization: str | None = Header(None)) -> JSONResponse:
+        key_name(authorization, endpoint_is_open=True)
+        failed = state.load_error or (state.ctx is not None and not state.ctx.client.healthy)
+        return JSONResponse({"status": "error" if failed else "ok"}, status_code=503 if failed else 200)
+
+    @app.get("/ready")
+    async def ready(authorization: str | None = Header(None)) -> JSONResponse:
+        key_name(authorization, endpoint_is_open=True)
+        ok = state.ctx is not None and not state.draining and state.ctx.client.healthy
+        reason = "draining" if state.draining else "ready" if ok else "loading"
+        return JSONResponse({"status": reason}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(authorization: str | None = Header(None)) -> Response:
+        key_name(authorization, endpoint_is_open=True)
+        if state.ctx is None:
+            return Response("", media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(state.ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(authorization: str | None = Header(None)) -> dict:
+        key_name(authorization)
+        ctx = state.ready_context()
+        return {"object": "list", "data": [{
+            "id": ctx.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
+            "max_model_len": ctx.client.engine.max_model_len}]}
+
+    def check_model(ctx: ServerContext, model: str) -> None:
+        if model != ctx.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", param="model",
+                           code="model_not_found")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request, authorization: str | None = Header(None)):
+        arrival = time.monotonic()
+        name = key_name(authorization)
+        ctx = state.ready_context()
+        check_model(ctx, body.model)
+        tracker = prepare_chat(ctx, body, name, arrival)
+        return await _respond(ctx, request, tracker, chat_stream(ctx, body, tracker) if body.stream else None,
+                              lambda: chat_response(ctx, body, tracker))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request, authorization: str | None = Header(None)):
+        arrival = time.monotonic()
+        name = key_name(authorization)
+        ctx = state.ready_context()
+        check_model(ctx, body.model)
+        tracker, _ = prepare_completion(ctx, body, name, arrival)
+        return await _respond(ctx, request, tracker,
+                              completion_stream(ctx, body, tracker) if body.stream else None,
+                              lambda: completion_response(ctx, body, tracker))
+
+    async def _respond(ctx, request, tracker, stream, make_body):
+        if stream is not None:
+            async def logged():
+                try:
+                    async for data in stream:
+                        yield {"data": data}
+                finally:
+                    tracker.log_line(200)
+            return EventSourceResponse(logged(), sep="\n")
+        body = await _unless_disconnected(request, make_body())
+        tracker.log_line(200 if body is not None else 499)
+        return body if body is not None else Response(status_code=499)
+
+    state.in_flight = InFlight(app)
+    return state.in_flight

@@ -1,0 +1,44 @@
+"""API keys: ``--api-key`` (repeatable; named key-1, key-2, ...) and ``--api-key-file`` ('name: key' lines).
+Only a key's *name* ever reaches logs and metrics."""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+from tokenmill.server.errors import APIError
+
+
+def load_keys(keys: list[str], key_file: str | None) -> dict[str, str]:
+    """key -> name."""
+    named = {key: f"key-{i + 1}" for i, key in enumerate(keys)}
+    if key_file:
+        for lineno, line in enumerate(Path(key_file).read_text().splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            name, sep, key = line.partition(":")
+            if not sep or not name.strip() or not key.strip():
+                raise ValueError(f"{key_file}:{lineno}: expected 'name: key'")
+            named[key.strip()] = name.strip()
+    return named
+
+
+class Authenticator:
+    def __init__(self, keys: dict[str, str]):
+        self.keys = keys
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def check(self, authorization: str | None) -> str | None:
+        """The caller's key name (None when auth is off); raises a 401 APIError for a missing or wrong key."""
+        if not self.keys:
+            return None
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() == "bearer":
+            for key, name in self.keys.items():
+                if hmac.compare_digest(token.strip().encode(), key.encode()):
+                    return name
+        raise APIError(401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key")

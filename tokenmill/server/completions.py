@@ -1,0 +1,102 @@
+"""POST /v1/completions, streaming (SSE) and not. Choice index = prompt index * n + choice."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.logprobs import completion_logprobs
+from tokenmill.server.protocol import CompletionRequest
+from tokenmill.server.serving import ServerContext, Tracker, make_requests, merged_outputs, sampling_params
+
+
+def _prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    tokenizer = ctx.client.engine.tokenizer
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def prepare_completion(ctx: ServerContext, body: CompletionRequest, key_name: str | None,
+                       arrival: float) -> tuple[Tracker, list[list[int]]]:
+    if body.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if body.best_of not in (None, body.n):
+        raise bad_request("best_of other than n is not supported", param="best_of")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo together with logprobs (prompt logprobs) is not supported yet", param="echo")
+    prompts = _prompts(ctx, body.prompt)
+    params = sampling_params(body, body.max_tokens, body.logprobs)
+    requests = make_requests(ctx, prompts, params, body.n, "prompt", arrival)
+    return Tracker(ctx, "completions", arrival, key_name, requests), prompts
+
+
+def _usage(tracker: Tracker, n: int) -> dict[str, int]:
+    prompt = sum(r.num_prompt_tokens for r in tracker.requests[::n])  # each prompt once, whatever its n
+    completion = sum(r.num_output_tokens for r in tracker.requests)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _echo_prefixes(ctx: ServerContext, body: CompletionRequest, tracker: Tracker) -> list[str]:
+    if not body.echo:
+        return [""] * len(tracker.requests)
+    tokenizer = ctx.client.engine.tokenizer
+    return [tokenizer.decode(r.prompt_token_ids) for r in tracker.requests]
+
+
+async def completion_response(ctx: ServerContext, body: CompletionRequest, tracker: Tracker) -> dict[str, Any]:
+    tokenizer = ctx.client.engine.tokenizer
+    texts = _echo_prefixes(ctx, body, tracker)
+    logprobs = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in texts]
+    reasons: list[str | None] = [None] * len(texts)
+    async for index, out in merged_outputs(ctx.client, tracker.requests):
+        tracker.observe(out)
+        if body.logprobs is not None:
+            for key, values in completion_logprobs(tokenizer, out, len(texts[index])).items():
+                logprobs[index][key] += values
+        texts[index] += out.delta_text
+        reasons[index] = out.finish_reason
+    choices = [{"index": i, "text": texts[i], "logprobs": logprobs[i] if body.logprobs is not None else None,
+                "finish_reason": reasons[i]} for i in range(len(texts))]
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": ctx.model_name, "choices": choices, "usage": _usage(tracker, body.n), "system_fingerprint": None}
+
+
+async def completion_stream(ctx: ServerContext, body: CompletionRequest, tracker: Tracker) -> AsyncIterator[str]:
+    tokenizer = ctx.client.engine.tokenizer
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": ctx.model_name, "system_fingerprint": None}
+    sent = [0] * len(tracker.requests)  # characters sent per choice, for text_offset
+
+    def chunk(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> str:
+        payload = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                        "finish_reason": finish_reason}]}
+        if include_usage:
+            payload["usage"] = None
+        return json.dumps(payload)
+
+    for index, prefix in enumerate(_echo_prefixes(ctx, body, tracker)):
+        if prefix:
+            sent[index] = len(prefix)
+            yield chunk(index, prefix, None, None)
+    try:
+        async for index, out in merged_outputs(ctx.client, tracker.requests):
+            tracker.observe(out)
+            lps = completion_logprobs(tokenizer, out, sent[index]) if body.logprobs is not None else None
+            if out.delta_text or out.finished or lps:
+                sent[index] += len(out.delta_text)
+                yield chunk(index, out.delta_text, out.finish_reason if out.finished else None, lps)
+    except APIError as exc:
+        yield json.dumps(exc.body())
+    if include_usage:
+        yield json.dumps({**head, "choices": [], "usage": _usage(tracker, body.n)})
+    yield "[DONE]"

@@ -1,0 +1,83 @@
+"""``tokenmill serve``: uvicorn with a SIGTERM that drains.
+
+On SIGTERM: /ready and new /v1 requests turn 503, requests in flight get up to ``shutdown_timeout`` seconds
+to finish, then uvicorn shuts down and the process exits 0. A second SIGTERM, or SIGINT, stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import uvicorn
+
+from tokenmill.config import EngineConfig
+from tokenmill.scheduler.client import EngineClient
+from tokenmill.scheduler.engine import LLMEngine
+from tokenmill.server.app import ServerState, build_app
+from tokenmill.server.auth import Authenticator, load_keys
+from tokenmill.server.logs import configure_logging
+from tokenmill.server.metrics import Metrics
+from tokenmill.server.serving import ServerContext
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM and not self.state.draining and self._loop is not None:
+            self.state.draining = True
+            log.info("SIGTERM: draining (up to %.0f s for requests in flight)", self.shutdown_timeout)
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+            return
+        super().handle_exit(sig, frame)
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout
+        in_flight = self.state.in_flight
+        while in_flight is not None and in_flight.count > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if in_flight is not None and in_flight.count:
+            log.warning("shutdown timeout: %d requests still in flight are cut off", in_flight.count)
+        self.should_exit = True
+
+
+def _loader(config: EngineConfig):
+    def load() -> ServerContext:
+        engine = LLMEngine(config)
+        capacity = engine.scheduler.kv.capacity_tokens
+        client = EngineClient(engine, admission_limit=int(capacity * config.admission_overcommit))
+        client.start()
+        name = config.served_model_name or engine.model_name
+        log.info("serving %s: KV cache %d tokens, admission limit %d promised tokens", name, capacity,
+                 client.admission_limit)
+        return ServerContext(client, Metrics(client, name), name)
+    return load
+
+
+def serve(config: EngineConfig) -> int:
+    configure_logging(config.log_json)
+    keys = load_keys(config.api_key, config.api_key_file)
+    state = ServerState(Authenticator(keys), config.auth_all_endpoints)
+    asgi = build_app(state, _loader(config), config.cors_origins)
+    uv_config = uvicorn.Config(asgi, host=config.host, port=config.port, log_config=None,
+                               timeout_graceful_shutdown=1, access_log=False)
+    server = DrainingServer(uv_config, state, config.shutdown_timeout)
+    state.on_load_failure = lambda: setattr(server, "should_exit", True)
+    log.info("listening on http://%s:%d", config.host, config.port)
+    server.run()
+    if state.ctx is not None:
+        state.ctx.client.stop()
+    return 1 if state.load_error is not None else 0

@@ -1,0 +1,86 @@
+"""Prometheus metrics, all prefixed ``tokenmill:`` and labelled ``model_name``.
+
+Definitions (measured where the server sends tokens; arrival is when the HTTP request was parsed):
+- TTFT (time_to_first_token_seconds) = first token sent - arrival;
+- inter-token latency (inter_token_latency_seconds) = time between two consecutive tokens sent to one
+  request; its mean over a request is TPOT = (last token - first token) / (output tokens - 1);
+- e2e latency = last token sent - arrival; queue time = first scheduled - arrival;
+  prefill time = first token - first scheduled; decode time = last token - first token.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tokenmill.scheduler.client import EngineClient
+
+P = "tokenmill:"
+_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    """Scheduler and client state, read at scrape time (plain attributes: no locking needed for a gauge)."""
+
+    def __init__(self, client: EngineClient, model: str):
+        self.client, self.model = client, model
+
+    def collect(self):
+        stats = self.client.engine.scheduler.stats()
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", stats.kv_cache_usage),
+            ("admission_saturation", "Promised tokens / admission limit; at 1 new requests get 429.",
+             self.client.saturation),
+        ):
+            gauge = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            gauge.add_metric([self.model], value)
+            yield gauge
+        for name, doc, value in (
+            ("num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
+             stats.num_preemptions_total),
+            ("requests_aborted", "Requests aborted before finishing (client gone, cancelled).",
+             self.client.stats.num_aborted),
+        ):
+            counter = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            counter.add_metric([self.model], value)
+            yield counter
+
+
+class Metrics:
+    def __init__(self, client: EngineClient, model: str):
+        self.model = model
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "First token sent - arrival.", labels,
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                             labels, buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Last token sent - arrival.", labels,
+                             buckets=_REQUEST_BUCKETS, registry=r)
+        self.queue = Histogram(P + "request_queue_time_seconds", "First scheduled - arrival.", labels,
+                               buckets=_REQUEST_BUCKETS, registry=r)
+        self.prefill = Histogram(P + "request_prefill_time_seconds", "First token - first scheduled.", labels,
+                                 buckets=_REQUEST_BUCKETS, registry=r)
+        self.decode = Histogram(P + "request_decode_time_seconds", "Last token - first token.", labels,
+                                buckets=_REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", labels, registry=r)
+        self.success = Counter(P + "request_success", "Requests finished, by finish reason.",
+                               labels + ["finish_reason"], registry=r)
+        self.rejected = Counter(P + "requests_rejected", "Requests refused before running, by reason.",
+                                labels + ["reason"], registry=r)
+        self.key_tokens = Counter(P + "key_tokens", "Tokens per API key name and kind (prompt, generation).",
+                                  labels + ["key_name", "kind"], registry=r)
+        r.register(_EngineCollector(client, model))
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model, reason).inc()
+

@@ -1,0 +1,178 @@
+"""What chat and completions share: request -> engine requests, admission, the n-choice stream, metrics, logs."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from tokenmill.sampling.params import SamplingParamError, SamplingParams
+from tokenmill.scheduler.client import EngineClient
+from tokenmill.scheduler.engine import ContextLengthError
+from tokenmill.scheduler.outputs import RequestOutput
+from tokenmill.scheduler.request import Request
+from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.metrics import Metrics
+from tokenmill.server.protocol import SamplingFields
+
+log = logging.getLogger("tokenmill.requests")
+
+# Seconds a client refused by admission control is told to wait: about one decode burst on a busy server.
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass
+class ServerContext:
+    """Everything a handler needs; built once when the engine is ready."""
+
+    client: EngineClient
+    metrics: Metrics
+    model_name: str
+
+
+def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """OpenAI/vLLM fields -> SamplingParams; a bad value becomes a 400 naming the parameter."""
+    fields = dict(n=1, max_tokens=max_tokens, stop=body.stop, seed=body.seed, logprobs=logprobs,
+                  min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or [],
+                  logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None)
+    optional = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                    presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty)
+    fields.update({k: v for k, v in optional.items() if v is not None})
+    try:
+        return SamplingParams(**fields)
+    except SamplingParamError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+
+
+def make_requests(ctx: ServerContext, prompts: list[list[int]], params: SamplingParams, n: int, prompt_param: str,
+                  arrival: float) -> list[Request]:
+    """One engine request per (prompt, choice), validated; admission control on their total promise."""
+    engine = ctx.client.engine
+    requests = []
+    for prompt in prompts:
+        for i in range(n):
+            # The n choices are separate requests; seeded ones get distinct, reproducible seeds.
+            choice = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            try:
+                requests.append(engine.make_request(prompt, choice, uuid.uuid4().hex, arrival))
+            except ContextLengthError as exc:
+                ctx.metrics.reject("context_length")
+                raise bad_request(str(exc), param=prompt_param, code="context_length_exceeded") from None
+            except SamplingParamError as exc:
+                raise bad_request(str(exc), param=exc.param) from None
+            except ValueError as exc:
+                raise bad_request(str(exc), param=prompt_param) from None
+    promise = sum(r.num_prompt_tokens + r.max_tokens for r in requests)
+    if not ctx.client.admit(promise):
+        ctx.metrics.reject("admission")
+        raise APIError(429, "The server is at capacity (promised KV tokens); retry later.", "rate_limit_error",
+                       code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    return requests
+
+
+@dataclass
+class _Progress:
+    request: Request
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class Tracker:
+    """Per HTTP request: observes every output for metrics and writes the request's log line at the end."""
+
+    ctx: ServerContext
+    endpoint: str
+    arrival: float
+    key_name: str | None
+    requests: list[Request]
+    _progress: dict[str, _Progress] = field(default_factory=dict)
+    finish_reasons: list[str | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._progress = {r.request_id: _Progress(r) for r in self.requests}
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        m, model = self.ctx.metrics, self.ctx.model_name
+        p = self._progress[out.request_id]
+        if out.new_token_ids:
+            if p.first_token_time is None:
+                p.first_token_time = now
+                m.ttft.labels(model).observe(now - self.arrival)
+            else:
+                m.itl.labels(model).observe(now - p.last_token_time)
+            p.last_token_time = now
+        if out.finished:
+            self._finish(p, out, now)
+
+    def _finish(self, p: _Progress, out: RequestOutput, now: float) -> None:
+        m, model, r = self.ctx.metrics, self.ctx.model_name, p.request
+        m.e2e.labels(model).observe(now - self.arrival)
+        if r.first_scheduled_time is not None:
+            m.queue.labels(model).observe(r.first_scheduled_time - self.arrival)
+            if p.first_token_time is not None:
+                m.prefill.labels(model).observe(p.first_token_time - r.first_scheduled_time)
+        if p.first_token_time is not None:
+            m.decode.labels(model).observe(now - p.first_token_time)
+        m.prompt_tokens.labels(model).inc(out.num_prompt_tokens)
+        m.generation_tokens.labels(model).inc(out.num_output_tokens)
+        m.success.labels(model, out.finish_reason or "unknown").inc()
+        if self.key_name:
+            m.key_tokens.labels(model, self.key_name, "prompt").inc(out.num_prompt_tokens)
+            m.key_tokens.labels(model, self.key_name, "generation").inc(out.num_output_tokens)
+        self.finish_reasons.append(out.finish_reason)
+
+    def log_line(self, status: int) -> None:
+        """One line per HTTP request: never the prompt, never the key itself."""
+        first = [p.first_token_time for p in self._progress.values() if p.first_token_time is not None]
+        record = {
+            "id": self.requests[0].request_id if self.requests else None, "endpoint": self.endpoint,
+            "status": status, "key": self.key_name, "choices": len(self.requests),
+            "prompt_tokens": sum(r.num_prompt_tokens for r in self.requests),
+            "output_tokens": sum(r.num_output_tokens for r in self.requests),
+            "ttft_s": round(min(first) - self.arrival, 4) if first else None,
+            "e2e_s": round(time.monotonic() - self.arrival, 4),
+            "finish_reason": ",".join(str(f) for f in self.finish_reasons) or "abort",
+        }
+        log.info("request", extra={"fields": record})
+
+
+async def merged_outputs(client: EngineClient, requests: list[Request]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several engine requests as they come, tagged with the request's index. Closing this
+    iterator cancels every pump, which aborts the requests still running."""
+    if len(requests) == 1:
+        async for out in client.generate(requests[0]):
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, request: Request) -> None:
+        try:
+            async for out in client.generate(request):
+                queue.put_nowait((index, out))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        done = 0
+        while done < len(tasks):
+            item = await queue.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
