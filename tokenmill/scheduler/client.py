@@ -4,9 +4,10 @@ Commands (add, abort) go to the engine thread through a lock-protected inbox and
 so an abort takes effect within one engine step. Outputs come back to each request's asyncio queue through
 ``loop.call_soon_threadsafe``.
 
-Admission: the client keeps the token *promise* of every live request (prompt + max_tokens); ``admit`` refuses
-a request whose promise would push the total past ``admission_limit`` tokens, so overload becomes a fast,
-explicit rejection instead of an unbounded queue.
+Admission: the client keeps the token *promise* (prompt + max_tokens) of every request it admitted and has
+not released; ``reserve`` refuses requests whose promise would push the total past ``admission_limit``
+tokens, so overload becomes a fast, explicit rejection instead of an unbounded queue. A reservation is made
+when the request is admitted (before its stream starts) and released when it ends, or by ``release``.
 """
 
 from __future__ import annotations
@@ -37,12 +38,11 @@ class ClientStats:
 
 
 class _Live:
-    """A request in flight: its output queue and the tokens it was promised."""
+    """A request in flight: its output queue, on the loop that reads it."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, promise: int):
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.loop = loop
-        self.promise = promise
 
 
 class EngineClient:
@@ -51,6 +51,7 @@ class EngineClient:
         self.admission_limit = admission_limit
         self.stats = ClientStats()
         self._live: dict[str, _Live] = {}
+        self._promises: dict[str, int] = {}  # request id -> reserved tokens (event-loop thread only)
         self._cv = threading.Condition()
         self._inbox_add: list[Request] = []
         self._inbox_abort: list[str] = []
@@ -82,21 +83,31 @@ class EngineClient:
         return self.stats.promised_tokens / self.admission_limit
 
     # --- requests
-    def admit(self, promise: int) -> bool:
-        """Whether a request promising ``promise`` tokens fits now. An idle server admits anything that passed
-        validation, so no single valid request is refused forever."""
-        return not self._live or self.stats.promised_tokens + promise <= self.admission_limit
+    def reserve(self, requests: list[Request]) -> bool:
+        """Admit ``requests`` together if their promise fits, reserving it. An idle server admits anything that
+        passed validation, so no single valid request is refused forever."""
+        promise = sum(r.num_prompt_tokens + r.max_tokens for r in requests)
+        if self._promises and self.stats.promised_tokens + promise > self.admission_limit:
+            return False
+        for r in requests:
+            self._promises[r.request_id] = r.num_prompt_tokens + r.max_tokens
+        self.stats.promised_tokens += promise
+        return True
+
+    def release(self, request_ids: list[str]) -> None:
+        """Give back reservations (idempotent: a request's own end already released it)."""
+        for rid in request_ids:
+            self.stats.promised_tokens -= self._promises.pop(rid, 0)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Queue ``request`` and yield its outputs until it finishes. Closing the iterator early (the client
-        went away, the handler was cancelled) aborts the request and frees its KV blocks."""
+        went away, the handler was cancelled) aborts the request and frees its KV blocks. Its reservation,
+        if any, is released at the end."""
         if self.error is not None:
             raise EngineDeadError(str(self.error))
-        promise = request.num_prompt_tokens + request.max_tokens
-        live = _Live(asyncio.get_running_loop(), promise)
+        live = _Live(asyncio.get_running_loop())
         rid = request.request_id
         self._live[rid] = live
-        self.stats.promised_tokens += promise
         finished = False
         try:
             with self._cv:
@@ -112,7 +123,7 @@ class EngineClient:
                     return
         finally:
             self._live.pop(rid, None)
-            self.stats.promised_tokens -= promise
+            self.release([rid])
             if not finished:
                 self.abort(rid)
 

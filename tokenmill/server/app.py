@@ -47,6 +47,21 @@ class InFlight:
             self.count -= 1
 
 
+class _ReleasingEventSource(EventSourceResponse):
+    """An SSE response (OpenAI's framing: ``data: ...\n\n``) that runs ``release`` once it is done, however
+    it ends: a stream whose client left before its first byte never runs its generator's cleanup."""
+
+    def __init__(self, content: Any, release: Callable[[], None]):
+        super().__init__(content, sep="\n")
+        self._release = release
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
 class ServerState:
     def __init__(self, authenticator: Authenticator, auth_all_endpoints: bool):
         self.auth = authenticator
@@ -165,6 +180,8 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
                               lambda: completion_response(ctx, body, tracker))
 
     async def _respond(ctx, request, tracker, stream, make_body):
+        """Admission reserved the requests' tokens; every path out of here releases what they did not."""
+        request_ids = [r.request_id for r in tracker.requests]
         if stream is not None:
             async def logged():
                 try:
@@ -172,8 +189,11 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
                         yield {"data": data}
                 finally:
                     tracker.log_line(200)
-            return EventSourceResponse(logged(), sep="\n")
-        body = await _unless_disconnected(request, make_body())
+            return _ReleasingEventSource(logged(), lambda: ctx.client.release(request_ids))
+        try:
+            body = await _unless_disconnected(request, make_body())
+        finally:
+            ctx.client.release(request_ids)
         tracker.log_line(200 if body is not None else 499)
         return body if body is not None else Response(status_code=499)
 

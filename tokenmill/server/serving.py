@@ -67,8 +67,7 @@ def make_requests(ctx: ServerContext, prompts: list[list[int]], params: Sampling
                 raise bad_request(str(exc), param=exc.param) from None
             except ValueError as exc:
                 raise bad_request(str(exc), param=prompt_param) from None
-    promise = sum(r.num_prompt_tokens + r.max_tokens for r in requests)
-    if not ctx.client.admit(promise):
+    if not ctx.client.reserve(requests):
         ctx.metrics.reject("admission")
         raise APIError(429, "The server is at capacity (promised KV tokens); retry later.", "rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
