@@ -17,6 +17,7 @@ MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "sk-test-key-0123456789"
 ALICE_KEY = "sk-alice-9876543210"
 FP32 = ["--dtype", "float32", "--kv-cache-dtype", "fp32"]
+CORS_ORIGIN = "https://dashboard.example"
 
 
 @dataclass
@@ -81,6 +82,7 @@ def fp32_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fp32")
     keys = tmp / "keys.txt"
     keys.write_text(f"# name: key\nalice: {ALICE_KEY}\n")
-    server = start_server(tmp, *FP32, "--api-key", API_KEY, "--api-key-file", str(keys))
+    server = start_server(tmp, *FP32, "--api-key", API_KEY, "--api-key-file", str(keys),
+                          "--cors-origins", CORS_ORIGIN)
     yield server
     stop_server(server)

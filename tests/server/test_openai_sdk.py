@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import ALICE_KEY, API_KEY, MODEL
+from tests.server.conftest import ALICE_KEY, API_KEY, CORS_ORIGIN, MODEL
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ANSWER = "The capital of France is Paris."  # transformers' greedy answer on the same weights
@@ -185,3 +185,29 @@ def test_malformed_bodies_are_400_never_422_or_500(fp32_server, body):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(fp32_server, aclient):
+    async def run():
+        client = aclient()
+        stream = await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                                      max_tokens=30, stream=True)
+        async with httpx.AsyncClient(base_url=fp32_server.base_url,
+                                     headers={"Authorization": f"Bearer {API_KEY}"}) as raw:
+            bad = await asyncio.gather(*[raw.post("/chat/completions", content=body) for body in (
+                b"{", b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "x"}], '
+                      b'"max_tokens": 999999}', b'{"model": 5}') * 3])
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+        return text, [r.status_code for r in bad]
+    text, codes = asyncio.run(run())
+    assert text == ANSWER and set(codes) == {400}
+
+
+def test_cors_preflight(fp32_server):
+    r = httpx.options(fp32_server.base_url + "/chat/completions", headers={
+        "Origin": CORS_ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == CORS_ORIGIN
+    other = httpx.options(fp32_server.base_url + "/chat/completions", headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert other.headers.get("access-control-allow-origin") != "https://evil.example"

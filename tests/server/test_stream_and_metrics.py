@@ -93,6 +93,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(fp32_server):
         time.sleep(0.1)
     assert aborted == before + 1
     assert usage == 0.0
+    assert "dragon" not in fp32_server.log()  # prompts never reach the log
     assert sample_value(samples["tokenmill:num_requests_running"], "tokenmill:num_requests_running") == 0
 
 
