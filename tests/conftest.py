@@ -55,3 +55,7 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
             out.append(token)
             inputs = torch.tensor([[token]])
     return out
+
+
+# Live servers (subprocesses) shared by tests/server and tests/bench.
+from tests.live_server import fp32_server  # noqa: E402,F401

@@ -1,4 +1,4 @@
-"""One entry point: ``tokenmill serve | generate``. Every EngineConfig field is a flag (``--kv-cache-dtype``
+"""One entry point: ``tokenmill serve | generate | bench | plan``. Every EngineConfig field is a flag (``--kv-cache-dtype``
 etc.); flags beat ``TOKENMILL_*`` environment variables, which beat the ``--config`` TOML file."""
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", help="load-test an OpenAI-compatible server (tokenmill bench --help)", add_help=False)
+    sub.add_parser("plan", help="KV cache and memory capacity of a model (tokenmill plan --help)", add_help=False)
     engine_fields = [f for f in EngineConfig.model_fields if f != "model" and f not in SERVER_FIELDS]
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
@@ -78,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Tools with parsers of their own.
+    if argv[:1] == ["bench"]:
+        from tokenmill.bench.sweep import main as bench_main
+        return bench_main(argv[1:])
+    if argv[:1] == ["plan"]:
+        from tokenmill.bench.plan import main as plan_main
+        return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     from tokenmill.models.loader import ModelLoadError
     from tokenmill.sampling.params import SamplingParamError

@@ -5,7 +5,7 @@ import asyncio
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, MODEL, start_server, stop_server
+from tests.live_server import API_KEY, MODEL, start_server, stop_server
 
 NUM_CLIENTS = 32
 MAX_TOKENS = 16

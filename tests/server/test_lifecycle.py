@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import FP32, MODEL, free_port, start_server, stop_server
+from tests.live_server import FP32, MODEL, free_port, start_server, stop_server
 
 
 def test_burst_gets_429_with_retry_after(tmp_path):

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import ALICE_KEY, API_KEY, CORS_ORIGIN, MODEL
+from tests.live_server import ALICE_KEY, API_KEY, CORS_ORIGIN, MODEL
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ANSWER = "The capital of France is Paris."  # transformers' greedy answer on the same weights

@@ -6,7 +6,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import ALICE_KEY, API_KEY, MODEL
+from tests.live_server import ALICE_KEY, API_KEY, MODEL
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -10,7 +10,7 @@ Definitions (measured where the server sends tokens; arrival is when the HTTP re
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -80,6 +80,7 @@ class Metrics:
         self.key_tokens = Counter(P + "key_tokens", "Tokens per API key name and kind (prompt, generation).",
                                   labels + ["key_name", "kind"], registry=r)
         r.register(_EngineCollector(client, model))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes etc., for peak-memory reports
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model, reason).inc()
