@@ -2,6 +2,7 @@
 
 import json
 
+from tokenmill.bench.report import markdown_table, write_plots
 from tokenmill.bench.sweep import DEFAULTS, compare, run_sweep
 from tests.live_server import API_KEY, MODEL
 
@@ -22,10 +23,14 @@ def test_tiny_sweep_agrees_with_server_metrics(fp32_server, tmp_path):
         expected_cost = 2.0 / (level["output_tok_per_s"] * 3600) * 1e6
         assert abs(level["usd_per_million_output_tokens"] - expected_cost) < 1e-9
         assert level["server"]["process_peak_memory_bytes"] > 100e6  # the model alone is larger
+    notes = write_plots(report, tmp_path)
+    assert (tmp_path / "throughput.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "latency.png").exists()
+    assert "plots written" in notes[0]
     before, after = tmp_path / "a.json", tmp_path / "b.json"
     before.write_text(json.dumps(report))
     faster = json.loads(json.dumps(report))
     faster["levels"][0]["output_tok_per_s"] *= 2
     after.write_text(json.dumps(faster))
+    assert "| 3 |" in markdown_table(report)
     table = compare(str(before), str(after))
     assert "| 1 | output_tok_per_s |" in table and "+100.0%" in table

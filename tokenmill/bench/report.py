@@ -34,6 +34,15 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _concurrency_axis(ax, levels: list[int], ylabel: str, title: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, labels=[str(c) for c in levels])
+    ax.minorticks_off()
+    ax.set(xlabel="concurrency", ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
 def write_plots(report: dict, out: Path) -> list[str]:
     """throughput.png and latency.png in ``out``; returns notes for the user."""
     try:
@@ -48,15 +57,13 @@ def write_plots(report: dict, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(conc, [lv["output_tok_per_s"] for lv in levels], marker="o", label="output tok/s")
     ax.plot(conc, [lv["total_tok_per_s"] for lv in levels], marker="o", label="total tok/s")
-    ax.set(xlabel="concurrency", ylabel="tokens/s", title="Throughput", xscale="log")
-    ax.legend()
+    _concurrency_axis(ax, conc, "tokens/s", "Throughput")
     fig.savefig(out / "throughput.png", dpi=120, bbox_inches="tight")
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, title in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT")):
         for q in ("p50", "p99"):
             ax.plot(conc, [(lv[key][q] or 0) * 1000 for lv in levels], marker="o", label=q)
-        ax.set(xlabel="concurrency", ylabel="ms", title=title, xscale="log")
-        ax.legend()
+        _concurrency_axis(ax, conc, "ms", title)
     fig.savefig(out / "latency.png", dpi=120, bbox_inches="tight")
     plt.close("all")
     return [f"plots written to {out}/throughput.png and {out}/latency.png"]
