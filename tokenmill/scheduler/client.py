@@ -74,10 +74,6 @@ class EngineClient:
         return self.error is None and self._thread.is_alive()
 
     @property
-    def num_in_flight(self) -> int:
-        return len(self._live)
-
-    @property
     def saturation(self) -> float:
         """Promised tokens over the admission limit: 1.0 means new requests are being refused."""
         return self.stats.promised_tokens / self.admission_limit

@@ -174,7 +174,7 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
         name = key_name(authorization)
         ctx = state.ready_context()
         check_model(ctx, body.model)
-        tracker, _ = prepare_completion(ctx, body, name, arrival)
+        tracker = prepare_completion(ctx, body, name, arrival)
         return await _respond(ctx, request, tracker,
                               completion_stream(ctx, body, tracker) if body.stream else None,
                               lambda: completion_response(ctx, body, tracker))

