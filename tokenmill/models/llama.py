@@ -13,6 +13,7 @@ from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
 from tokenmill.models.layers.attention import PagedGQAttention
+from tokenmill.models.layers.logits import logits_with_exact_top
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -85,7 +86,6 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(a, self.rotary) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
-        self.lm_head_fp32: torch.Tensor | None = None  # set by to_device
         self.requires_grad_(False)
 
     @property
@@ -96,13 +96,9 @@ class LlamaForCausalLM(nn.Module):
         a = self.args
         return KVCacheSpec.for_gqa(a.num_layers, a.num_kv_heads, a.head_dim, dtype, block_size)
 
-    def to_device(self, device: torch.device | str, dtype: torch.dtype, fp32_logits: bool) -> "LlamaForCausalLM":
-        """Move and cast; with ``fp32_logits`` the LM head keeps a float32 copy so logits are not rounded to
-        ``dtype`` (bf16 logits near 16 are 0.06 apart: close candidates tie and greedy picks the lower id)."""
-        head = self.lm_head.weight.data.float().to(device) if fp32_logits and dtype != torch.float32 else None
+    def to_device(self, device: torch.device | str, dtype: torch.dtype) -> "LlamaForCausalLM":
         self.to(device=device, dtype=dtype)
         self.rotary.to(device)
-        self.lm_head_fp32 = head
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -115,9 +111,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> float32 logits [S, vocab]."""
-        if self.lm_head_fp32 is not None:
-            return F.linear(hidden.float(), self.lm_head_fp32)
-        return self.lm_head(hidden).float()
+        return logits_with_exact_top(hidden, self.lm_head.weight)
 
     # --- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -52,9 +52,7 @@ def load_model_and_cache(checkpoint: Checkpoint, config: EngineConfig) -> Loaded
         model.load_weights(checkpoint.weights())
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"cannot build the model from {checkpoint.path}: {exc}") from None
-    # On CPU the logits are computed in float32: the extra GEMM costs ~10% of a batch-64 bf16 decode step,
-    # and bf16-rounded logits tie close candidates (the default model's first answer token flipped).
-    model = model.to_device(device, dtype, fp32_logits=device.type == "cpu").eval()
+    model = model.to_device(device, dtype).eval()
 
     spec = model.kv_cache_spec(config.kv_cache_dtype, config.block_size)
     num_blocks = spec.num_blocks_for(_kv_budget(config, device)) - 1  # one block is the cache's null block
