@@ -36,3 +36,21 @@ def test_summary_counts_and_errors():
     assert s["duration_s"] == 4.0 and s["output_tok_per_s"] == 15.0 and s["total_tok_per_s"] == 20.0
     assert s["ttft_s"]["p50"] == pytest.approx(0.5)
     assert s["usd_per_million_output_tokens"] == pytest.approx(3.6 / (15 * 3600) * 1e6)
+
+
+def test_benchmark_table_of_the_config_file_and_flag_precedence(tmp_path):
+    import argparse
+
+    import pytest as _pytest
+
+    from tokenmill.bench.sweep import _settings
+
+    toml = tmp_path / "tokenmill.toml"
+    toml.write_text('kv_cache_dtype = "fp8"\n[benchmark]\nmodel = "m"\nconcurrency = "2,4"\noutput_len = 7\n')
+    args = argparse.Namespace(config=str(toml), output_len=9, **{k: None for k in ("model", "concurrency")})
+    settings = _settings(args)
+    assert settings["concurrency"] == "2,4" and settings["model"] == "m"  # from [benchmark]
+    assert settings["output_len"] == 9  # the flag wins
+    toml.write_text('[benchmark]\nmodel = "m"\nconcurency = "1"\n')
+    with _pytest.raises(SystemExit, match="concurency"):
+        _settings(argparse.Namespace(config=str(toml)))
