@@ -1,0 +1,97 @@
+"""DeepSeek-V2/V3 MoE layer: router (V2 softmax with greedy or group-limited top-k; V3 sigmoid + correction
+bias + grouped top-k, ``noaux_tc``), routed experts through ``kernels.fused_moe``, and shared experts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.kernels.fused_moe import fused_moe
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    num_experts: int
+    top_k: int
+    scoring: str  # "softmax" | "sigmoid"
+    topk_method: str  # "greedy" | "group_limited_greedy" | "noaux_tc"
+    num_groups: int
+    topk_groups: int
+    normalize: bool
+    scaling: float
+
+    @classmethod
+    def from_hf(cls, c: dict[str, Any]) -> "RouterConfig":
+        method = c.get("topk_method") or ("noaux_tc" if c.get("scoring_func") == "sigmoid" else "greedy")
+        return cls(num_experts=c["n_routed_experts"], top_k=c["num_experts_per_tok"],
+                   scoring=c.get("scoring_func", "softmax"), topk_method=method, num_groups=c.get("n_group") or 1,
+                   topk_groups=c.get("topk_group") or 1, normalize=bool(c.get("norm_topk_prob", False)),
+                   scaling=float(c.get("routed_scaling_factor", 1.0)))
+
+
+def _mask_to_groups(choice: torch.Tensor, group_scores: torch.Tensor, cfg: RouterConfig, fill: float) -> torch.Tensor:
+    """Keep only the experts of the ``topk_groups`` best groups."""
+    keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg.topk_groups, dim=-1).indices, 1.0)
+    keep = keep.repeat_interleave(cfg.num_experts // cfg.num_groups, dim=1).bool()
+    return choice.masked_fill(~keep, fill)
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k]); computed in float32 as the checkpoints expect."""
+    logits = F.linear(x.float(), weight.float())
+    scores = logits.softmax(-1) if cfg.scoring == "softmax" else logits.sigmoid()
+    per_group = scores.shape[-1] // cfg.num_groups
+    if cfg.topk_method == "noaux_tc":
+        # V3: the bias steers the choice only; the weights are the unbiased scores.
+        choice = scores + bias
+        group_scores = choice.view(-1, cfg.num_groups, per_group).topk(2, dim=-1).values.sum(-1)
+        choice = _mask_to_groups(choice, group_scores, cfg, float("-inf"))
+    elif cfg.topk_method == "group_limited_greedy":
+        group_scores = scores.view(-1, cfg.num_groups, per_group).amax(-1)
+        choice = _mask_to_groups(scores, group_scores, cfg, 0.0)
+    else:
+        choice = scores
+    ids = choice.topk(cfg.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * cfg.scaling, ids
+
+
+class SwiGLUMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)  # rows [gate | up]
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden: int, c: dict[str, Any]):
+        super().__init__()
+        self.cfg = RouterConfig.from_hf(c)
+        inter = c["moe_intermediate_size"]
+        self.gate_weight = nn.Parameter(torch.empty(self.cfg.num_experts, hidden), requires_grad=False)
+        bias = torch.empty(self.cfg.num_experts) if self.cfg.topk_method == "noaux_tc" else None
+        self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.w_gate_up = nn.Parameter(torch.empty(self.cfg.num_experts, 2 * inter, hidden), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(self.cfg.num_experts, hidden, inter), requires_grad=False)
+        shared = c.get("n_shared_experts") or 0
+        self.shared_experts = SwiGLUMLP(hidden, inter * shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        weights, ids = route(x, self.gate_weight, self.e_score_correction_bias, self.cfg)
+        out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
