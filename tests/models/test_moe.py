@@ -32,8 +32,7 @@ def hf_moe(version: str, **overrides):
 
 
 def ours_from(config, module) -> MoE:
-    hf_cfg = config.to_dict()
-    hf_cfg.setdefault("scoring_func", "sigmoid" if "V3" in type(config).__name__ else "softmax")
+    hf_cfg = {**config.to_dict(), "architectures": [type(config).__name__.replace("Config", "ForCausalLM")]}
     moe = MoE(config.hidden_size, hf_cfg)
     with torch.no_grad():
         moe.gate_weight.copy_(module.gate.weight)

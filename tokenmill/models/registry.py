@@ -6,12 +6,15 @@ from typing import Any
 
 from torch import nn
 
+from tokenmill.models.deepseek import DeepseekForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }
 
 

@@ -26,9 +26,12 @@ class RouterConfig:
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "RouterConfig":
-        method = c.get("topk_method") or ("noaux_tc" if c.get("scoring_func") == "sigmoid" else "greedy")
+        # Released configs name both; transformers 5 drops them for V3, whose router is sigmoid + noaux_tc.
+        v3 = "DeepseekV3ForCausalLM" in (c.get("architectures") or [])
+        scoring = c.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+        method = c.get("topk_method") or ("noaux_tc" if scoring == "sigmoid" else "greedy")
         return cls(num_experts=c["n_routed_experts"], top_k=c["num_experts_per_tok"],
-                   scoring=c.get("scoring_func", "softmax"), topk_method=method, num_groups=c.get("n_group") or 1,
+                   scoring=scoring, topk_method=method, num_groups=c.get("n_group") or 1,
                    topk_groups=c.get("topk_group") or 1, normalize=bool(c.get("norm_topk_prob", False)),
                    scaling=float(c.get("routed_scaling_factor", 1.0)))
 

@@ -86,6 +86,7 @@ class RotaryEmbedding:
         else:
             raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, yarn)")
         self.rot_dim = rot_dim
+        self.params = params
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device="cpu"), inv_freq)  # [P, rot_dim/2]
         self.cos = freqs.cos() * attention_factor
         self.sin = freqs.sin() * attention_factor

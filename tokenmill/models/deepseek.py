@@ -1,0 +1,120 @@
+"""DeepSeek-V2/V3 family: MLA attention over a latent-only paged cache, MoE FFN after the first dense layers."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.kernels.metadata import AttentionMetadata
+from tokenmill.kvcache.cache import KVCache
+from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
+from tokenmill.models.layers.logits import logits_with_exact_top
+from tokenmill.models.layers.mla import MLAttention
+from tokenmill.models.layers.moe import MoE, SwiGLUMLP
+from tokenmill.models.layers.norm import RMSNorm
+from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
+
+# Parameters that stay float32 whatever the compute dtype: the router decides in float32 (as DeepSeek's code does).
+_FP32_PARAMS = ("gate_weight", "e_score_correction_bias")
+
+
+class DeepseekLayer(nn.Module):
+    def __init__(self, c: dict[str, Any], index: int, rotary: RotaryEmbedding, interleaved: bool):
+        super().__init__()
+        eps = c.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(c["hidden_size"], eps)
+        self.self_attn = MLAttention(c, rotary, interleaved)
+        self.post_attention_layernorm = RMSNorm(c["hidden_size"], eps)
+        moe = c.get("n_routed_experts") and index >= c.get("first_k_dense_replace", 0)
+        self.mlp = MoE(c["hidden_size"], c) if moe else SwiGLUMLP(c["hidden_size"], c["intermediate_size"])
+
+    def forward(self, x, positions, meta, cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(self, hf_config: dict[str, Any]):
+        super().__init__()
+        c = self.config = hf_config
+        if c.get("quantization_config"):
+            raise ValueError("fp8 block-quantized DeepSeek checkpoints are not supported yet")
+        self.max_position = c.get("max_position_embeddings", 4096)
+        interleaved = c.get("rope_interleave", True)  # V2 always rotates interleaved pairs; V3 says so
+        self.rotary = RotaryEmbedding(c["qk_rope_head_dim"], self.max_position, rope_parameters(c))
+        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
+        self.layers = nn.ModuleList(DeepseekLayer(c, i, self.rotary, interleaved) for i in range(c["num_hidden_layers"]))
+        self.norm = RMSNorm(c["hidden_size"], c.get("rms_norm_eps", 1e-6))
+        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
+        self.requires_grad_(False)
+
+    def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int) -> KVCacheSpec:
+        """One slot per token and layer: the latent and the roped key part, nothing per head."""
+        c = self.config
+        return KVCacheSpec(c["num_hidden_layers"], 1, c["kv_lora_rank"] + c["qk_rope_head_dim"], dtype, block_size)
+
+    def to_device(self, device: torch.device | str, dtype: torch.dtype) -> "DeepseekForCausalLM":
+        keep = {n: p.data.float() for n, p in self.named_parameters() if n.endswith(_FP32_PARAMS)}
+        self.to(device=device, dtype=dtype)
+        for name, param in self.named_parameters():
+            if name in keep:
+                param.data = keep[name].to(device)
+        self.rotary.to(device)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, meta, kv_cache.layer(i))
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return logits_with_exact_top(hidden, self.lm_head.weight)
+
+    # --- weights
+    def _target(self, name: str, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor, str]:
+        """HF name -> (destination view, canonical parameter name). Handles dense, per-expert and fused layouts."""
+        n = name.removeprefix("model.")
+        inter = self.config.get("moe_intermediate_size", 0)
+        if m := re.fullmatch(r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight", n):
+            prefix, expert, kind = m.group(1), int(m.group(2)), m.group(3)
+            if kind == "down":
+                return params[f"{prefix}.w_down"].data[expert], f"{prefix}.w_down"
+            rows = slice(0, inter) if kind == "gate" else slice(inter, 2 * inter)
+            return params[f"{prefix}.w_gate_up"].data[expert, rows], f"{prefix}.w_gate_up"
+        n = re.sub(r"mlp\.experts\.gate_up_proj$", "mlp.w_gate_up", n)
+        n = re.sub(r"mlp\.experts\.down_proj$", "mlp.w_down", n)
+        n = re.sub(r"mlp\.gate\.weight$", "mlp.gate_weight", n)
+        n = re.sub(r"mlp\.gate\.e_score_correction_bias$", "mlp.e_score_correction_bias", n)
+        if m := re.fullmatch(r"(.*mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight", n):
+            full = params[f"{m.group(1)}.gate_up_proj.weight"].data
+            half = full.shape[0] // 2
+            return (full[:half] if m.group(2) == "gate" else full[half:]), f"{m.group(1)}.gate_up_proj.weight"
+        if n not in params:
+            raise ValueError(f"unexpected weight {name!r} for DeepseekForCausalLM")
+        return params[n].data, n
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        layers = self.config["num_hidden_layers"]
+        for name, tensor in weights:
+            if (m := re.search(r"layers\.(\d+)\.", name)) and int(m.group(1)) >= layers:
+                continue  # multi-token-prediction layers: not used for decoding
+            if name.endswith("weight_scale_inv"):
+                raise ValueError("fp8 block-quantized DeepSeek checkpoints are not supported yet")
+            dst, canonical = self._target(name, params)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            filled[canonical] = filled.get(canonical, 0) + tensor.numel()
+        if self.config.get("tie_word_embeddings"):
+            self.lm_head.weight = self.embed_tokens.weight
+            filled["lm_head.weight"] = self.lm_head.weight.numel()
+        missing = [n for n, p in self.named_parameters() if filled.get(n, 0) != p.numel()]
+        if missing:
+            raise ValueError(f"checkpoint does not fill these weights: {missing[:5]}")
