@@ -21,6 +21,13 @@ from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
 _FP32_PARAMS = ("gate_weight", "e_score_correction_bias")
 
 
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """fp8 [out, in] with float32 scales [ceil(out / bo), ceil(in / bi)] -> float32 [out, in]."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
+
+
 class DeepseekLayer(nn.Module):
     def __init__(self, c: dict[str, Any], index: int, rotary: RotaryEmbedding, interleaved: bool):
         super().__init__()
@@ -40,8 +47,10 @@ class DeepseekForCausalLM(nn.Module):
     def __init__(self, hf_config: dict[str, Any]):
         super().__init__()
         c = self.config = hf_config
-        if c.get("quantization_config"):
-            raise ValueError("fp8 block-quantized DeepSeek checkpoints are not supported yet")
+        quant = c.get("quantization_config") or {}
+        if quant and quant.get("quant_method") != "fp8":
+            raise ValueError(f"quantization {quant.get('quant_method')!r} is not supported (only fp8 blocks)")
+        self.weight_block = tuple(quant.get("weight_block_size") or (128, 128))
         self.max_position = c.get("max_position_embeddings", 4096)
         interleaved = c.get("rope_interleave", True)  # V2 always rotates interleaved pairs; V3 says so
         self.rotary = RotaryEmbedding(c["qk_rope_head_dim"], self.max_position, rope_parameters(c))
@@ -98,15 +107,33 @@ class DeepseekForCausalLM(nn.Module):
             raise ValueError(f"unexpected weight {name!r} for DeepseekForCausalLM")
         return params[n].data, n
 
+    def _dequantized(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """fp8 block-quantized checkpoints (DeepSeek-V3 style): each float8_e4m3fn ``W`` comes with
+        ``W_scale_inv`` [ceil(out / bo), ceil(in / bi)] and means ``W * scale_inv`` per (bo x bi) block. The CPU
+        path dequantizes here; tensors arrive in any order, so halves wait for each other."""
+        pending: dict[str, torch.Tensor] = {}
+        for name, tensor in weights:
+            is_scale = name.endswith(".weight_scale_inv")
+            if not is_scale and tensor.dtype != torch.float8_e4m3fn:
+                yield name, tensor
+                continue
+            base = name.removesuffix("_scale_inv")
+            other = pending.pop(base + ("" if is_scale else "_scale_inv"), None)
+            if other is None:
+                pending[name] = tensor
+                continue
+            weight, scale = (other, tensor) if is_scale else (tensor, other)
+            yield base, dequantize_fp8_blocks(weight, scale, self.weight_block)
+        if pending:
+            raise ValueError(f"fp8 weights without their scales (or scales without weights): {sorted(pending)[:3]}")
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         layers = self.config["num_hidden_layers"]
-        for name, tensor in weights:
+        for name, tensor in self._dequantized(weights):
             if (m := re.search(r"layers\.(\d+)\.", name)) and int(m.group(1)) >= layers:
                 continue  # multi-token-prediction layers: not used for decoding
-            if name.endswith("weight_scale_inv"):
-                raise ValueError("fp8 block-quantized DeepSeek checkpoints are not supported yet")
             dst, canonical = self._target(name, params)
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
