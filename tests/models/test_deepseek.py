@@ -80,8 +80,10 @@ def test_logits_match_transformers(tiny, chunk):
 def test_greedy_batch_with_chunked_prefill_matches(tiny):
     _, _, hf, llm = tiny
     prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (1, 6, 13, 21)]
-    results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    assert [r.token_ids for r in results] == [hf_greedy(hf, p, 32) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    expected = [hf_greedy(hf, p, 32) for p in prompts]
+    assert [r.token_ids for r in llm.generate(prompts, params)] == expected
+    assert llm.generate([prompts[2]], params)[0].token_ids == expected[2]  # and alone
 
 
 def test_cache_holds_only_the_latent(tiny):

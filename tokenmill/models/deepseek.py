@@ -35,7 +35,9 @@ class DeepseekLayer(nn.Module):
         self.input_layernorm = RMSNorm(c["hidden_size"], eps)
         self.self_attn = MLAttention(c, rotary, interleaved)
         self.post_attention_layernorm = RMSNorm(c["hidden_size"], eps)
-        moe = c.get("n_routed_experts") and index >= c.get("first_k_dense_replace", 0)
+        # DeepSeek's rule (transformers drops the frequency, which every released config sets to 1).
+        moe = (c.get("n_routed_experts") and index >= c.get("first_k_dense_replace", 0)
+               and index % c.get("moe_layer_freq", 1) == 0)
         self.mlp = MoE(c["hidden_size"], c) if moe else SwiGLUMLP(c["hidden_size"], c["intermediate_size"])
 
     def forward(self, x, positions, meta, cache):
