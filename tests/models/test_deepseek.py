@@ -123,14 +123,13 @@ def test_real_deepseek_v3_config_kv_bytes():
     assert ratio > 70
 
 
-def test_served_chat_stream(tiny, tmp_path):
+def test_served_chat_stream(tmp_path, smollm_llm):
     import openai
 
     from tests.live_server import FP32, start_server, stop_server
 
-    kind, path, _, _ = tiny
-    if kind != "v3-q-lora":
-        pytest.skip("one served architecture is enough; the engine path is shared")
+    path = tmp_path / "tiny-v3"
+    make_checkpoint(path, smollm_llm, "v3-q-lora")
     server = start_server(tmp_path, "--kv-cache-memory", "8MiB", "--max-model-len", "256", *FP32, str(path))
     try:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)

@@ -1,7 +1,5 @@
 """fp8 KV cache (with per-token, per-head scales) stays close to fp32 KV on SmolLM2."""
 
-import torch
-
 from tests.conftest import PROMPTS
 from tests.helpers import teacher_forced_logits
 from tokenmill.kvcache.cache import KVCache

@@ -5,7 +5,6 @@ import dataclasses
 import pytest
 import torch
 
-from tests.conftest import PROMPTS
 from tokenmill import LLM, SamplingParams
 from tokenmill.scheduler.engine import ContextLengthError
 

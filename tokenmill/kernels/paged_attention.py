@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels.kv_write import FP8_TO_FP16_FACTOR, dequantize, fp8_bits_as_fp16
+from tokenmill.kernels.kv_write import FP8_TO_FP16_FACTOR, fp8_bits_as_fp16
 from tokenmill.kernels.metadata import AttentionMetadata
 
 

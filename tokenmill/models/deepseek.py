@@ -8,16 +8,15 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from tokenmill.kernels.metadata import AttentionMetadata
-from tokenmill.kvcache.cache import KVCache
 from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
-from tokenmill.models.layers.logits import logits_with_exact_top
+from tokenmill.models.base import DecoderLM
 from tokenmill.models.layers.mla import MLAttention
-from tokenmill.models.layers.moe import MoE, SwiGLUMLP
+from tokenmill.models.layers.mlp import SwiGLU
+from tokenmill.models.layers.moe import MoE
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
 
-# Parameters that stay float32 whatever the compute dtype: the router decides in float32 (as DeepSeek's code does).
+# Kept float32 whatever the compute dtype: the router decides in float32, as DeepSeek's code does.
 _FP32_PARAMS = ("gate_weight", "e_score_correction_bias")
 
 
@@ -38,14 +37,16 @@ class DeepseekLayer(nn.Module):
         # DeepSeek's rule (transformers drops the frequency, which every released config sets to 1).
         moe = (c.get("n_routed_experts") and index >= c.get("first_k_dense_replace", 0)
                and index % c.get("moe_layer_freq", 1) == 0)
-        self.mlp = MoE(c["hidden_size"], c) if moe else SwiGLUMLP(c["hidden_size"], c["intermediate_size"])
+        self.mlp = MoE(c["hidden_size"], c) if moe else SwiGLU(c["hidden_size"], c["intermediate_size"])
 
     def forward(self, x, positions, meta, cache):
         x = x + self.self_attn(self.input_layernorm(x), positions, meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(DecoderLM):
+    fp32_params = _FP32_PARAMS
+
     def __init__(self, hf_config: dict[str, Any]):
         super().__init__()
         c = self.config = hf_config
@@ -66,25 +67,6 @@ class DeepseekForCausalLM(nn.Module):
         """One slot per token and layer: the latent and the roped key part, nothing per head."""
         c = self.config
         return KVCacheSpec(c["num_hidden_layers"], 1, c["kv_lora_rank"] + c["qk_rope_head_dim"], dtype, block_size)
-
-    def to_device(self, device: torch.device | str, dtype: torch.dtype) -> "DeepseekForCausalLM":
-        keep = {n: p.data.float() for n, p in self.named_parameters() if n.endswith(_FP32_PARAMS)}
-        self.to(device=device, dtype=dtype)
-        for name, param in self.named_parameters():
-            if name in keep:
-                param.data = keep[name].to(device)
-        self.rotary.to(device)
-        return self
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, meta, kv_cache.layer(i))
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return logits_with_exact_top(hidden, self.lm_head.weight)
 
     # --- weights
     def _target(self, name: str, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor, str]:
@@ -141,9 +123,4 @@ class DeepseekForCausalLM(nn.Module):
                 raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
             dst.copy_(tensor)
             filled[canonical] = filled.get(canonical, 0) + tensor.numel()
-        if self.config.get("tie_word_embeddings"):
-            self.lm_head.weight = self.embed_tokens.weight
-            filled["lm_head.weight"] = self.lm_head.weight.numel()
-        missing = [n for n, p in self.named_parameters() if filled.get(n, 0) != p.numel()]
-        if missing:
-            raise ValueError(f"checkpoint does not fill these weights: {missing[:5]}")
+        self.finish_loading(filled, bool(self.config.get("tie_word_embeddings")))

@@ -6,14 +6,12 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels.metadata import AttentionMetadata
-from tokenmill.kvcache.cache import KVCache
 from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
+from tokenmill.models.base import DecoderLM
 from tokenmill.models.layers.attention import PagedGQAttention
-from tokenmill.models.layers.logits import logits_with_exact_top
+from tokenmill.models.layers.mlp import SwiGLU
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -51,18 +49,6 @@ class LlamaArgs:
         )
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)  # rows [gate | up]
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding):
         super().__init__()
@@ -77,7 +63,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderLM):
     def __init__(self, hf_config: dict[str, Any]):
         super().__init__()
         a = self.args = LlamaArgs.from_hf(hf_config)
@@ -95,23 +81,6 @@ class LlamaForCausalLM(nn.Module):
     def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int) -> KVCacheSpec:
         a = self.args
         return KVCacheSpec.for_gqa(a.num_layers, a.num_kv_heads, a.head_dim, dtype, block_size)
-
-    def to_device(self, device: torch.device | str, dtype: torch.dtype) -> "LlamaForCausalLM":
-        self.to(device=device, dtype=dtype)
-        self.rotary.to(device)
-        return self
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, meta, kv_cache.layer(i))
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> float32 logits [S, vocab]."""
-        return logits_with_exact_top(hidden, self.lm_head.weight)
 
     # --- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -139,9 +108,4 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
             dst.copy_(tensor)
             filled[name] = filled.get(name, 0) + tensor.numel()
-        if a.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-            filled["lm_head.weight"] = self.lm_head.weight.numel()
-        missing = [n for n, p in self.named_parameters(remove_duplicate=False) if filled.get(n, 0) != p.numel()]
-        if missing:
-            raise ValueError(f"checkpoint does not fill these weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        self.finish_loading(filled, a.tie_word_embeddings)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.fused_moe import fused_moe
+from tokenmill.models.layers.mlp import SwiGLU
 
 
 @dataclass(frozen=True)
@@ -66,18 +67,6 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return weights * cfg.scaling, ids
 
 
-class SwiGLUMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)  # rows [gate | up]
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class MoE(nn.Module):
     def __init__(self, hidden: int, c: dict[str, Any]):
         super().__init__()
@@ -89,7 +78,7 @@ class MoE(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(self.cfg.num_experts, 2 * inter, hidden), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(self.cfg.num_experts, hidden, inter), requires_grad=False)
         shared = c.get("n_shared_experts") or 0
-        self.shared_experts = SwiGLUMLP(hidden, inter * shared) if shared else None
+        self.shared_experts = SwiGLU(hidden, inter * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""

@@ -1,0 +1,49 @@
+"""What every decoder model shares: the layer loop, the logits, the move to a device, the weight check.
+
+A model subclass builds ``embed_tokens``, ``layers`` (each called as ``layer(x, positions, meta, cache)``),
+``norm``, ``lm_head`` and ``rotary``, and provides ``kv_cache_spec`` and ``load_weights``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.kernels.metadata import AttentionMetadata
+from tokenmill.kvcache.cache import KVCache
+from tokenmill.models.layers.logits import logits_with_exact_top
+
+
+class DecoderLM(nn.Module):
+    # Parameter-name suffixes kept in float32 whatever the compute dtype.
+    fp32_params: tuple[str, ...] = ()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, meta, kv_cache.layer(i))
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> float32 logits [S, vocab]."""
+        return logits_with_exact_top(hidden, self.lm_head.weight)
+
+    def to_device(self, device: torch.device | str, dtype: torch.dtype) -> "DecoderLM":
+        keep = {n: p.data.float() for n, p in self.named_parameters() if self.fp32_params and n.endswith(self.fp32_params)}
+        self.to(device=device, dtype=dtype)
+        for name, param in self.named_parameters():
+            if name in keep:
+                param.data = keep[name].to(device)
+        self.rotary.to(device)
+        return self
+
+    def finish_loading(self, filled: dict[str, int], tie_word_embeddings: bool) -> None:
+        """Tie the head if asked, then require every parameter to have been filled exactly once."""
+        if tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+            filled["lm_head.weight"] = self.lm_head.weight.numel()
+        missing = [n for n, p in self.named_parameters(remove_duplicate=False) if filled.get(n, 0) != p.numel()]
+        if missing:
+            raise ValueError(f"checkpoint does not fill these weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
