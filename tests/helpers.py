@@ -35,3 +35,8 @@ def teacher_forced_logits(model: torch.nn.Module, kv_cache: KVCache, token_ids: 
 
 def prefill_logits(model: torch.nn.Module, kv_cache: KVCache, token_ids: list[int]) -> torch.Tensor:
     return teacher_forced_logits(model, kv_cache, token_ids)
+
+
+def kl_per_position(logp_ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(p_ref || p) of next-token distributions given as log-probabilities [N, vocab]."""
+    return (logp_ref.exp() * (logp_ref - logp)).sum(-1)
