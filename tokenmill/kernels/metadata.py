@@ -22,10 +22,3 @@ class AttentionMetadata:
     decode_indices: list[int]
     # Indices of the other requests (prefill chunks), attended one by one.
     prefill_indices: list[int]
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.seq_lens)
-
-    def query_len(self, i: int) -> int:
-        return self.query_start_loc[i + 1] - self.query_start_loc[i]

@@ -36,9 +36,6 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
-        return self.hf.convert_ids_to_tokens(token_ids)
-
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; use a completion prompt instead")

@@ -40,7 +40,7 @@ class LLMEngine:
         self.model_name = checkpoint.name
         self.tokenizer = Tokenizer(checkpoint)
         loaded = load_model_and_cache(checkpoint, config)
-        self.device, self.dtype, self.kv_spec = loaded.device, loaded.dtype, loaded.kv_cache.spec
+        self.kv_spec = loaded.kv_cache.spec
         self.max_model_len = loaded.max_model_len
         self.vocab_size = checkpoint.hf_config["vocab_size"]
         self.runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device)
@@ -49,7 +49,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         log.info("engine ready: model=%s device=%s dtype=%s kv=%s blocks=%d (%d tokens, %d bytes/token)",
-                 self.model_name, self.device, self.dtype, self.kv_spec.dtype, kv.pool.num_blocks,
+                 self.model_name, loaded.device, loaded.dtype, self.kv_spec.dtype, kv.pool.num_blocks,
                  kv.capacity_tokens, self.kv_spec.bytes_per_token)
 
     @property

@@ -158,26 +158,24 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
             raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", param="model",
                            code="model_not_found")
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request, authorization: str | None = Header(None)):
+    async def _generate(body, request: Request, authorization: str | None, prepare, stream, respond):
+        """Shared by both generation endpoints: auth, readiness, model check, validation + admission, answer."""
         arrival = time.monotonic()
         name = key_name(authorization)
         ctx = state.ready_context()
         check_model(ctx, body.model)
-        tracker = prepare_chat(ctx, body, name, arrival)
-        return await _respond(ctx, request, tracker, chat_stream(ctx, body, tracker) if body.stream else None,
-                              lambda: chat_response(ctx, body, tracker))
+        tracker = prepare(ctx, body, name, arrival)
+        return await _respond(ctx, request, tracker, stream(ctx, body, tracker) if body.stream else None,
+                              lambda: respond(ctx, body, tracker))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request, authorization: str | None = Header(None)):
+        return await _generate(body, request, authorization, prepare_chat, chat_stream, chat_response)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, authorization: str | None = Header(None)):
-        arrival = time.monotonic()
-        name = key_name(authorization)
-        ctx = state.ready_context()
-        check_model(ctx, body.model)
-        tracker = prepare_completion(ctx, body, name, arrival)
-        return await _respond(ctx, request, tracker,
-                              completion_stream(ctx, body, tracker) if body.stream else None,
-                              lambda: completion_response(ctx, body, tracker))
+        return await _generate(body, request, authorization, prepare_completion, completion_stream,
+                               completion_response)
 
     async def _respond(ctx, request, tracker, stream, make_body):
         """Admission reserved the requests' tokens; every path out of here releases what they did not."""

@@ -28,10 +28,6 @@ class Authenticator:
     def __init__(self, keys: dict[str, str]):
         self.keys = keys
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self.keys)
-
     def check(self, authorization: str | None) -> str | None:
         """The caller's key name (None when auth is off); raises a 401 APIError for a missing or wrong key."""
         if not self.keys:

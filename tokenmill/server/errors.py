@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -61,7 +60,3 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error")
         return APIError(500, "internal error", "server_error").response()
 
-
-def sse_error(exc: APIError) -> str:
-    """An error inside a stream that already started: sent as one data event, as OpenAI does."""
-    return json.dumps(exc.body())
