@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from tokenmill.models.loader import DEFAULT_MODEL_FILE, default_model_path
+# Triton kernels run through Triton's CPU interpreter in the tests (read by triton when a kernel module is first
+# imported, so it must be set before any test imports one). A GPU run sets TRITON_INTERPRET=0 explicitly.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tokenmill.models.loader import DEFAULT_MODEL_FILE, default_model_path  # noqa: E402
 
 PROMPTS = [
     "Hi",

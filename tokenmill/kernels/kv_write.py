@@ -11,7 +11,7 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
-_MIN_SCALE = 1e-12  # an all-zero vector gets a tiny scale, never a division by zero
+MIN_SCALE = 1e-12  # an all-zero vector gets a tiny scale, never a division by zero
 # fp8_bits_as_fp16(x) == float(x) / FP8_TO_FP16_FACTOR for every finite e4m3fn x (normal and subnormal).
 FP8_TO_FP16_FACTOR = 256.0
 
@@ -19,7 +19,7 @@ FP8_TO_FP16_FACTOR = 256.0
 def quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., D] -> (fp8 [..., D], float32 scales [...]) with one scale per vector."""
     values = values.float()
-    scale = (values.abs().amax(dim=-1) / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = (values.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)
     return (values / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
 
 
@@ -54,5 +54,12 @@ def write_kv_reference(data: torch.Tensor, scales: torch.Tensor | None, new: tor
     scales.view(-1, num_slots)[slot_mapping] = scale
 
 
-def write_kv(data: torch.Tensor, scales: torch.Tensor | None, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    write_kv_reference(data, scales, new, slot_mapping)
+def write_kv(data: torch.Tensor, scales: torch.Tensor | None, new: torch.Tensor, slot_mapping: torch.Tensor,
+             backend: str = "torch") -> None:
+    """Dispatch: ``backend`` is a resolved kernel backend, "triton" or "torch" (kernels/backend.py)."""
+    if backend == "triton":
+        from tokenmill.kernels.triton.kv_write import write_kv_triton
+
+        write_kv_triton(data, scales, new, slot_mapping)
+    else:
+        write_kv_reference(data, scales, new, slot_mapping)

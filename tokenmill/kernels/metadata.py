@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class DeviceTensors:
+    """The list fields of AttentionMetadata as int tensors on the model's device, for kernels (built once per step)."""
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    decode_rows: torch.Tensor  # [len(decode_indices)] int64: each decode's row in the flattened batch
+    decode_seq_lens: torch.Tensor  # [len(decode_indices)] int32
 
 
 @dataclass
@@ -22,3 +31,16 @@ class AttentionMetadata:
     decode_indices: list[int]
     # Indices of the other requests (prefill chunks), attended one by one.
     prefill_indices: list[int]
+    _tensors: DeviceTensors | None = field(default=None, repr=False, compare=False)
+
+    def device_tensors(self, device: torch.device) -> DeviceTensors:
+        """Built on first use and shared by every layer of the step (one host-to-device copy per step)."""
+        if self._tensors is None:
+            def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+                return torch.tensor(values, dtype=dtype, device=device)
+            self._tensors = DeviceTensors(
+                query_start_loc=as_tensor(self.query_start_loc, torch.int32),
+                seq_lens=as_tensor(self.seq_lens, torch.int32),
+                decode_rows=as_tensor([self.query_start_loc[i] for i in self.decode_indices], torch.int64),
+                decode_seq_lens=as_tensor([self.seq_lens[i] for i in self.decode_indices], torch.int32))
+        return self._tensors

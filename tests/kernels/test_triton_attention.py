@@ -1,0 +1,66 @@
+"""Triton KV write and paged GQA attention against their PyTorch references, on paging traps (permuted block
+tables, NaN in every unused slot, lengths 1 / block-aligned / unaligned, cached prefixes), fp8 and 16/32-bit
+caches, and split-KV decode with the log-sum-exp merge."""
+
+import pytest
+import torch
+
+from tests.kernels.paging import paged_batch
+from tests.kernels.triton_device import DEVICE
+from tokenmill.kernels.kv_write import write_kv
+from tokenmill.kernels.paged_attention import paged_attention
+
+# (tokens cached before this step, new tokens) per request.
+SHAPES = [(0, 1), (15, 1), (0, 16), (5, 6), (40, 1), (3, 33), (31, 1), (0, 2)]
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3}
+
+
+def on_device(batch):
+    batch.data, batch.q, batch.new_kv = batch.data.to(DEVICE), batch.q.to(DEVICE), batch.new_kv.to(DEVICE)
+    batch.scales = None if batch.scales is None else batch.scales.to(DEVICE)
+    batch.meta.slot_mapping = batch.meta.slot_mapping.to(DEVICE)
+    batch.meta.block_tables = batch.meta.block_tables.to(DEVICE)
+    return batch
+
+
+@pytest.mark.parametrize("kv_dtype,new_dtype", [("fp8", torch.float32), ("fp8", torch.bfloat16),
+                                                ("fp16", torch.float16), ("bf16", torch.bfloat16),
+                                                ("fp32", torch.float32)])
+def test_write_kv_matches_reference_bit_for_bit(kv_dtype, new_dtype):
+    # 16-bit caches take K/V in their own dtype, as the engine computes them (the interpreter's own
+    # float32 -> bfloat16 cast truncates, so a converting store is not tested here).
+    batch = on_device(paged_batch(SHAPES, 4, 2, 24, kv_dtype, block_size=4, q_dtype=new_dtype))
+    want_data, want_scales = batch.data.clone(), None if batch.scales is None else batch.scales.clone()
+    write_kv(want_data, want_scales, batch.new_kv, batch.meta.slot_mapping, backend="torch")
+    write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping, backend="triton")
+    # Bits, so that NaN (the untouched pool) compares equal to NaN and every quantized value must agree exactly.
+    assert torch.equal(batch.data.view(torch.uint8), want_data.view(torch.uint8))
+    if want_scales is not None:
+        assert torch.equal(batch.scales.view(torch.int32), want_scales.view(torch.int32))
+
+
+@pytest.mark.parametrize("kv_dtype,q_dtype", [("fp8", torch.float32), ("fp8", torch.float16),
+                                              ("fp16", torch.float16), ("fp32", torch.float32)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_matches_reference(kv_dtype, q_dtype, block_size, num_splits):
+    from tokenmill.kernels.triton.paged_attention import paged_attention_triton
+
+    hq, hkv, d = 6, 2, 40  # GQA group 3 (padded to 16 rows), head_dim not a power of two
+    batch = on_device(paged_batch(SHAPES, hq, hkv, d, kv_dtype, block_size, q_dtype=q_dtype))
+    write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping, backend="triton")
+    k_new, v_new = batch.new_kv[:, :hkv], batch.new_kv[:, hkv:]
+    args = (batch.q, k_new, v_new, batch.data, batch.scales, batch.meta, d ** -0.5)
+    want = paged_attention(*args, backend="torch")
+    got = paged_attention_triton(*args, num_splits=num_splits)
+    assert not got.isnan().any()
+    tol = TOLERANCE[q_dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_dispatch_runs_triton():
+    batch = on_device(paged_batch(SHAPES[:3], 4, 4, 16, "fp8", block_size=4))
+    write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping, backend="triton")
+    args = (batch.q, batch.new_kv[:, :4], batch.new_kv[:, 4:], batch.data, batch.scales, batch.meta, 0.25)
+    torch.testing.assert_close(paged_attention(*args, backend="triton"), paged_attention(*args, backend="torch"),
+                               atol=2e-5, rtol=2e-5)
