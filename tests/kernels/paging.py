@@ -40,12 +40,10 @@ def block_tables(tables: list[list[int]], null_block: int) -> torch.Tensor:
 
 
 def paged_batch(shapes: list[tuple[int, int]], hq: int, hkv: int, d: int, kv_dtype: str, block_size: int,
-                num_blocks: int = 64, q_dtype: torch.dtype = torch.float32, slot_spec: KVCacheSpec | None = None,
-                seed: int = 0) -> PagedBatch:
+                num_blocks: int = 64, q_dtype: torch.dtype = torch.float32, seed: int = 0) -> PagedBatch:
     """``shapes``: (tokens already cached, new tokens) per request. The prefix is written with the reference."""
     gen = torch.Generator().manual_seed(seed)
-    spec = slot_spec or KVCacheSpec.for_gqa(1, hkv, d, kv_dtype, block_size)
-    cache = KVCache(spec, num_blocks, "cpu")
+    cache = KVCache(KVCacheSpec.for_gqa(1, hkv, d, kv_dtype, block_size), num_blocks, "cpu")
     data, scales = cache.layer(0)
     fill_pool_with_nan(data, scales, num_blocks)
     perm = torch.randperm(num_blocks, generator=gen).tolist()

@@ -38,5 +38,11 @@ def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, data: torch.Te
 
 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
-               block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sm_scale: float) -> torch.Tensor:
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sm_scale: float,
+               backend: str = "torch") -> torch.Tensor:
+    """Dispatch: ``backend`` is a resolved kernel backend, "triton" or "torch" (kernels/backend.py)."""
+    if backend == "triton":
+        from tokenmill.kernels.triton.mla import mla_decode_triton
+
+        return mla_decode_triton(q_lat, q_pe, data, scales, block_tables, seq_lens, block_size, sm_scale)
     return mla_decode_reference(q_lat, q_pe, data, scales, block_tables, seq_lens, block_size, sm_scale)

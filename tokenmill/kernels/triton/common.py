@@ -28,6 +28,14 @@ def dot(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
+def paged_slots(block_table_row_ptr, pos, valid, BLOCK_SIZE: tl.constexpr):
+    """Flat cache slots of positions ``pos`` of one request: ``table[pos // BLOCK_SIZE] * BLOCK_SIZE +
+    pos % BLOCK_SIZE`` (int64); positions that are not ``valid`` give slot 0 and must stay masked."""
+    page = tl.load(block_table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return page * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+@triton.jit
 def fp8_e4m3_bits(x):
     """float32 x, |x| <= 448 -> the float8_e4m3fn bit pattern (uint8) of round-to-nearest-even(x).
 

@@ -27,26 +27,9 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.metadata import AttentionMetadata
-from tokenmill.kernels.triton.common import dot, interpreting, next_pow2
-
-
-@triton.jit
-def _online_softmax_step(s, m_i, l_i, acc):
-    """One tile of the online softmax: s [M, N] scores (masked = -inf) -> (p, m_new, l_new, acc rescaled)."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    return p, m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None]
-
-
-@triton.jit
-def _store_split(o_ptr, lse_ptr, rows, acc, m_i, l_i, empty, row_mask, offs_d, d_mask, DIM: tl.constexpr):
-    """Store one split's normalized output rows ``o[rows, :DIM]`` and log-sum-exp ``lse[rows]``. An empty split
-    (past the end of a short sequence) stores lse = -inf and zeros: it weighs nothing in the merge."""
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    tl.store(lse_ptr + rows, tl.where(empty, float("-inf"), m_i + tl.log(l_safe)), mask=row_mask)
-    out = tl.where(empty, 0.0, acc / l_safe[:, None])
-    tl.store(o_ptr + rows[:, None] * DIM + offs_d[None, :], out, mask=row_mask[:, None] & d_mask[None, :])
+from tokenmill.kernels.triton.common import dot, interpreting, next_pow2, paged_slots
+from tokenmill.kernels.triton.split_kv import (decode_num_splits, merge_splits, online_softmax_step, split_range,
+                                               store_split)
 
 
 @triton.jit
@@ -67,10 +50,7 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
-    seq_len = tl.load(lens_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    start, end = split_range(tl.load(lens_ptr + b), split, NUM_SPLITS, BLOCK_N)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -78,8 +58,7 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < end
-        page = tl.load(bt_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        row = (page * BLOCK_SIZE + pos % BLOCK_SIZE) * (2 * HKV)  # slot-row 0 of each token
+        row = paged_slots(bt_ptr + b * stride_bt, pos, valid, BLOCK_SIZE) * (2 * HKV)  # slot-row 0 of each token
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(data_ptr + (row + kvh)[:, None] * DIM + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(data_ptr + (row + HKV + kvh)[:, None] * DIM + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -87,45 +66,13 @@ def _decode_split_kernel(
         if FP8:
             s = s * tl.load(scale_ptr + row + kvh, mask=valid, other=0.0)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
-        p, m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc)
+        p, m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc)
         if FP8:
             p = p * tl.load(scale_ptr + row + HKV + kvh, mask=valid, other=0.0)[None, :]
         acc = dot(p.to(q.dtype), v.to(q.dtype), acc, F32)
 
     out_rows = (b * HKV * GROUP + heads) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS] row index
-    _store_split(o_ptr, lse_ptr, out_rows, acc, m_i, l_i, start >= end, g_mask, offs_d, d_mask, DIM)
-
-
-@triton.jit
-def _merge_splits_kernel(o_part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, HEADS: tl.constexpr,
-                         DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = (b * HEADS + h) * NUM_SPLITS + offs_s
-    lse = tl.load(lse_ptr + rows, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-    weights = tl.exp(lse - tl.max(lse, axis=0))  # split 0 is never empty, so the max is finite
-    parts = tl.load(o_part_ptr + rows[:, None] * DIM + offs_d[None, :],
-                    mask=(offs_s < NUM_SPLITS)[:, None] & (offs_d < DIM)[None, :], other=0.0)
-    out = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < DIM)
-
-
-def merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
-    """o_part [B, H, S, D] float32 normalized partial outputs, lse [B, H, S] -> out [B, H, D] (any float dtype)."""
-    batch, heads, splits, dim = o_part.shape
-    _merge_splits_kernel[(batch, heads)](o_part, lse, out, out.stride(0), out.stride(1), HEADS=heads, DIM=dim,
-                                         NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), BLOCK_D=next_pow2(dim))
-
-
-def decode_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU twice over, but at least 256 tokens per split (merging is not free)."""
-    if device.type != "cuda":
-        return 1
-    programs_wanted = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(programs_wanted, batch * kv_heads), triton.cdiv(max_len, 256), 64))
+    store_split(o_ptr, lse_ptr, out_rows, acc, m_i, l_i, start >= end, g_mask, offs_d, d_mask, DIM)
 
 
 def paged_decode_triton(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor,
@@ -178,8 +125,7 @@ def _prefill_kernel(
     for n0 in range(0, prefix_len, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < prefix_len
-        page = tl.load(bt_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        row = (page * BLOCK_SIZE + pos % BLOCK_SIZE) * (2 * HKV)
+        row = paged_slots(bt_ptr + req * stride_bt, pos, valid, BLOCK_SIZE) * (2 * HKV)
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(data_ptr + (row + kvh)[:, None] * DIM + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(data_ptr + (row + HKV + kvh)[:, None] * DIM + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -187,7 +133,7 @@ def _prefill_kernel(
         if FP8:
             s = s * tl.load(scale_ptr + row + kvh, mask=valid, other=0.0)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
-        p, m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc)
+        p, m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc)
         if FP8:
             p = p * tl.load(scale_ptr + row + HKV + kvh, mask=valid, other=0.0)[None, :]
         acc = dot(p.to(q.dtype), v.to(q.dtype), acc, F32)
@@ -204,7 +150,7 @@ def _prefill_kernel(
                     mask=kv_mask, other=0.0)
         s = dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), F32) * sm_scale
         s = tl.where(valid[None, :] & (pos[None, :] <= offs_m[:, None]), s, float("-inf"))
-        p, m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc)
+        p, m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc)
         acc = dot(p.to(q.dtype), v.to(q.dtype), acc, F32)
 
     out = acc / l_i[:, None]
@@ -242,7 +188,7 @@ def paged_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Te
         rows = meta.device_tensors(q.device).decode_rows
         lens = meta.device_tensors(q.device).decode_seq_lens
         hkv = data.shape[-2] // 2
-        splits = num_splits or decode_num_splits(len(idx), hkv, max(meta.seq_lens[i] for i in idx), q.device)
+        splits = num_splits or decode_num_splits(len(idx) * hkv, max(meta.seq_lens[i] for i in idx), q.device)
         out[rows] = paged_decode_triton(q[rows], data, scales, meta.block_tables[idx], lens, meta.block_size,
                                         sm_scale, splits)
     if meta.prefill_indices:
