@@ -8,6 +8,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from tokenmill.kernels.fp8 import dequantize_fp8_blocks
 from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
 from tokenmill.models.base import DecoderLM
 from tokenmill.models.layers.mla import MLAttention
@@ -18,13 +19,6 @@ from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
 
 # Kept float32 whatever the compute dtype: the router decides in float32, as DeepSeek's code does.
 _FP32_PARAMS = ("gate_weight", "e_score_correction_bias")
-
-
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """fp8 [out, in] with float32 scales [ceil(out / bo), ceil(in / bi)] -> float32 [out, in]."""
-    rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return weight.float() * scale
 
 
 class DeepseekLayer(nn.Module):
