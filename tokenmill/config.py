@@ -52,6 +52,13 @@ class EngineConfig(BaseSettings):
         "auto", description="compute dtype; auto = bfloat16")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(None, gt=0, description="prompt + output tokens; None = model's limit")
+    kernel_backend: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="auto = Triton kernels on CUDA, PyTorch references elsewhere; triton on a CPU needs "
+                            "TRITON_INTERPRET=1 (slow: for proving the kernels)")
+    kernel_tuning: Literal["heuristic", "autotune"] = Field(
+        "heuristic", description="fused-MoE launch configs: heuristic, or measured once per shape and kept in "
+                                 "kernel_cache_dir")
+    kernel_cache_dir: str = Field("~/.cache/tokenmill/kernels", description="where autotuned configs are kept")
     # --- KV cache
     kv_cache_dtype: Literal["fp8", "bf16", "fp16", "fp32"] = "fp8"
     block_size: int = Field(16, gt=0, le=1024)

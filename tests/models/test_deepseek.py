@@ -11,45 +11,12 @@ from tests.conftest import hf_greedy
 from tests.helpers import kl_per_position, teacher_forced_logits
 from tokenmill import LLM, SamplingParams
 from tokenmill.kvcache.cache import KVCache
-
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.707,
-        "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
-COMMON = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-              first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
-              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-              n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.0, max_position_embeddings=256,
-              rms_norm_eps=1e-6, tie_word_embeddings=False)
-CONFIGS = {
-    "v3-q-lora": ("DeepseekV3", {"q_lora_rank": 24, "norm_topk_prob": True, "rope_parameters": YARN}),
-    "v3-no-q-lora": ("DeepseekV3", {"q_lora_rank": None, "norm_topk_prob": True}),
-    "v2-lite-like": ("DeepseekV2", {"q_lora_rank": None, "topk_method": "group_limited_greedy",
-                                     "rope_parameters": YARN}),
-}
-
-
-def make_checkpoint(path, smollm_llm, kind):
-    import transformers
-
-    family, extra = CONFIGS[kind]
-    torch.manual_seed(0)
-    config = getattr(transformers, f"{family}Config")(vocab_size=len(smollm_llm.tokenizer.hf), **COMMON, **extra)
-    model = getattr(transformers, f"{family}ForCausalLM")(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.08)
-        for module in model.modules():
-            if hasattr(module, "e_score_correction_bias"):
-                module.e_score_correction_bias.normal_(0, 0.1)
-    model.save_pretrained(path)
-    smollm_llm.tokenizer.hf.save_pretrained(path)
-    return model.eval()
-
+from tests.tiny_checkpoints import CONFIGS, make_deepseek_checkpoint
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def tiny(request, tmp_path_factory, smollm_llm):
     path = tmp_path_factory.mktemp(request.param)
-    hf = make_checkpoint(path, smollm_llm, request.param)
+    hf = make_deepseek_checkpoint(path, smollm_llm, request.param)
     llm = LLM(model=str(path), dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="8MiB",
               max_num_batched_tokens=8)
     return request.param, path, hf, llm
@@ -129,7 +96,7 @@ def test_served_chat_stream(tmp_path, smollm_llm):
     from tests.live_server import FP32, start_server, stop_server
 
     path = tmp_path / "tiny-v3"
-    make_checkpoint(path, smollm_llm, "v3-q-lora")
+    make_deepseek_checkpoint(path, smollm_llm, "v3-q-lora")
     server = start_server(tmp_path, "--kv-cache-memory", "8MiB", "--max-model-len", "256", *FP32, str(path))
     try:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
@@ -165,7 +132,7 @@ def test_fp8_block_quantized_checkpoint(tmp_path, smollm_llm):
     from safetensors.torch import load_file, save_file
 
     src = tmp_path / "bf16"
-    make_checkpoint(src, smollm_llm, "v3-q-lora")
+    make_deepseek_checkpoint(src, smollm_llm, "v3-q-lora")
     tensors = load_file(str(next(src.glob("*.safetensors"))))
     fp8, dequantized = {}, {}
     for name, w in tensors.items():

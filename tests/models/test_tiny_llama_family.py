@@ -10,6 +10,7 @@ from tests.conftest import hf_greedy
 from tests.helpers import prefill_logits
 from tokenmill import LLM, SamplingParams
 from tokenmill.models.loader import ModelLoadError
+from tests.tiny_checkpoints import make_llama_checkpoint
 
 ROPE_KINDS = {
     "default": None,
@@ -20,33 +21,9 @@ ROPE_KINDS = {
 }
 
 
-def make_checkpoint(path, smollm_llm, arch="llama", rope=None):
-    import transformers
-
-    torch.manual_seed(0)
-    common = dict(vocab_size=len(smollm_llm.tokenizer.hf), hidden_size=64, intermediate_size=96,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False)
-    if arch == "llama":
-        config = transformers.LlamaConfig(**common, head_dim=16, rope_theta=10000.0)
-        if rope:
-            config.rope_parameters = {"rope_theta": 10000.0, **rope}
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.Qwen2Config(**common, rope_theta=10000.0)
-        model = transformers.Qwen2ForCausalLM(config)
-        with torch.no_grad():  # random biases so that a dropped bias would show
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_()
-    model.save_pretrained(path)
-    smollm_llm.tokenizer.hf.save_pretrained(path)
-    return model.eval()
-
-
 @pytest.mark.parametrize("kind", list(ROPE_KINDS))
 def test_rope_kinds_match_transformers_logits(tmp_path, smollm_llm, kind):
-    hf = make_checkpoint(tmp_path, smollm_llm, rope=ROPE_KINDS[kind])
+    hf = make_llama_checkpoint(tmp_path, smollm_llm, rope=ROPE_KINDS[kind])
     written = json.loads((tmp_path / "config.json").read_text())
     if ROPE_KINDS[kind]:
         assert (written.get("rope_parameters") or written.get("rope_scaling"))["rope_type"] == kind
@@ -60,7 +37,7 @@ def test_rope_kinds_match_transformers_logits(tmp_path, smollm_llm, kind):
 
 
 def test_qwen2_biases_and_greedy_decode(tmp_path, smollm_llm):
-    hf = make_checkpoint(tmp_path, smollm_llm, arch="qwen2")
+    hf = make_llama_checkpoint(tmp_path, smollm_llm, arch="qwen2")
     llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="16MiB",
               max_num_batched_tokens=8)
     prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (1, 9, 16, 23)]

@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,3 +38,11 @@ def resolve_kernel_backend(name: str, device: torch.device) -> str:
     if not ok:
         raise ValueError(f"kernel_backend=triton: {why}")
     return "triton"
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What the layers that call kernels use: a resolved backend and, for the Triton fused MoE, an optional tuner
+    (``kernels.triton.moe_config.MoETuner``; None = heuristic launch configs)."""
+    backend: str = "torch"  # "triton" | "torch"
+    moe_tuner: Any = None

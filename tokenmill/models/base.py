@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.models.layers.logits import logits_with_exact_top
@@ -25,6 +26,12 @@ class DecoderLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, meta, kv_cache.layer(i))
         return self.norm(x)
+
+    def use_kernels(self, choice: KernelChoice) -> None:
+        """Point every layer that calls kernels (those with a ``kernels`` attribute) at ``choice``."""
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = choice
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> float32 logits [S, vocab]."""

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.kernels.backend import KernelChoice, resolve_kernel_backend
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.models.loader import Checkpoint, ModelLoadError
 from tokenmill.models.registry import model_class_for
@@ -41,6 +43,20 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
     return int(total * config.gpu_memory_utilization) - (total - free)
 
 
+def kernel_choice(config: EngineConfig, device: torch.device) -> KernelChoice:
+    try:
+        backend = resolve_kernel_backend(config.kernel_backend, device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    tuner = None
+    if backend == "triton" and config.kernel_tuning == "autotune":
+        from tokenmill.kernels.triton.moe_config import MoETuner
+
+        tuner = MoETuner(Path(config.kernel_cache_dir).expanduser())
+    log.info("kernel backend: %s%s", backend, " (autotuned MoE configs)" if tuner else "")
+    return KernelChoice(backend, tuner)
+
+
 def load_model_and_cache(checkpoint: Checkpoint, config: EngineConfig) -> LoadedModel:
     device = torch.device(config.resolved_device())
     dtype = resolve_dtype(config, device)
@@ -53,6 +69,7 @@ def load_model_and_cache(checkpoint: Checkpoint, config: EngineConfig) -> Loaded
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"cannot build the model from {checkpoint.path}: {exc}") from None
     model = model.to_device(device, dtype).eval()
+    model.use_kernels(kernel_choice(config, device))
 
     spec = model.kv_cache_spec(config.kv_cache_dtype, config.block_size)
     num_blocks = spec.num_blocks_for(_kv_budget(config, device)) - 1  # one block is the cache's null block

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.kv_write import write_kv
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kernels.paged_attention import paged_attention
@@ -12,6 +13,8 @@ from tokenmill.models.layers.rotary import RotaryEmbedding
 
 
 class PagedGQAttention(nn.Module):
+    kernels = KernelChoice()  # set per model by DecoderLM.use_kernels
+
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
                  rotary: RotaryEmbedding):
         super().__init__()
@@ -32,6 +35,7 @@ class PagedGQAttention(nn.Module):
         k = self.rotary.apply(k.view(tokens, self.num_kv_heads, self.head_dim), positions)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         data, scales = cache
-        write_kv(data, scales, torch.cat([k, v], dim=1), meta.slot_mapping)  # slots: K heads, then V heads
-        out = paged_attention(q, k, v, data, scales, meta, self.sm_scale)
+        write_kv(data, scales, torch.cat([k, v], dim=1), meta.slot_mapping,  # slots: K heads, then V heads
+                 backend=self.kernels.backend)
+        out = paged_attention(q, k, v, data, scales, meta, self.sm_scale, backend=self.kernels.backend)
         return self.o_proj(out.reshape(tokens, self.q_size))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.kv_write import dequantize, write_kv
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kernels.mla import mla_decode
@@ -27,6 +28,8 @@ from tokenmill.models.layers.rotary import RotaryEmbedding, yarn_mscale
 
 
 class MLAttention(nn.Module):
+    kernels = KernelChoice()  # set per model by DecoderLM.use_kernels
+
     def __init__(self, c: dict[str, Any], rotary: RotaryEmbedding, interleaved_rope: bool):
         super().__init__()
         hidden, self.heads = c["hidden_size"], c["num_attention_heads"]
@@ -71,7 +74,7 @@ class MLAttention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), self._rope(k_pe.unsqueeze(1), positions).squeeze(1)], -1)
         data, scales = cache
-        write_kv(data, scales, latent.unsqueeze(1), meta.slot_mapping)
+        write_kv(data, scales, latent.unsqueeze(1), meta.slot_mapping, backend=self.kernels.backend)
         out = torch.empty(tokens, self.heads, self.v_dim, dtype=x.dtype, device=x.device)
         if meta.decode_indices:
             rows = [meta.query_start_loc[i] for i in meta.decode_indices]
@@ -85,9 +88,9 @@ class MLAttention(nn.Module):
     def _decode(self, q_nope, q_pe, data, scales, meta: AttentionMetadata) -> torch.Tensor:
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # W_UK absorbed into the query
-        lens = torch.tensor([meta.seq_lens[i] for i in meta.decode_indices], device=q_nope.device)
+        lens = meta.device_tensors(q_nope.device).decode_seq_lens
         o_lat = mla_decode(q_lat, q_pe, data, scales, meta.block_tables[meta.decode_indices], lens,
-                           meta.block_size, self.sm_scale)
+                           meta.block_size, self.sm_scale, backend=self.kernels.backend)
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
     def _prefill(self, q_nope, q_pe, own_latent, data, scales, meta: AttentionMetadata, i: int) -> torch.Tensor:

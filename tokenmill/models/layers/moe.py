@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.fused_moe import fused_moe
 from tokenmill.models.layers.mlp import SwiGLU
 
@@ -68,6 +69,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 class MoE(nn.Module):
+    kernels = KernelChoice()  # set per model by DecoderLM.use_kernels
+
     def __init__(self, hidden: int, c: dict[str, Any]):
         super().__init__()
         self.cfg = RouterConfig.from_hf(c)
@@ -83,7 +86,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         weights, ids = route(x, self.gate_weight, self.e_score_correction_bias, self.cfg)
-        out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
+        out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids, backend=self.kernels.backend,
+                        tuner=self.kernels.moe_tuner)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

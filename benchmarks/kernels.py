@@ -1,0 +1,227 @@
+"""Kernel benchmark: each Triton kernel against its baselines at SmolLM2 and DeepSeek shapes, batch 1..256.
+
+For every case it prints the time of the Triton kernel and of each baseline (the PyTorch reference the CPU runs;
+for attention also ``scaled_dot_product_attention`` over dense, unpaged 16-bit K/V: what paging and fp8 must
+compete with), the achieved TFLOP/s and GB/s of the Triton kernel, and their fraction of the GPU's peak
+(``PEAKS``; "n/a" for a GPU not listed). Bytes count what the kernel must move at least (weights of the experts
+actually hit, the cache entries read, the activations); FLOPs count multiply-adds twice.
+
+    python benchmarks/kernels.py              # on a CUDA GPU; about 2-3 minutes on one H200
+    TRITON_INTERPRET=1 python benchmarks/kernels.py --smoke   # tiny shapes on CPU: proves the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels.fp8 import quantize_fp8_blocks
+from tokenmill.kernels.fused_moe import Fp8BlockScales, fused_moe
+from tokenmill.kernels.kv_write import write_kv
+from tokenmill.kernels.metadata import AttentionMetadata
+from tokenmill.kernels.mla import mla_decode
+from tokenmill.kernels.paged_attention import paged_attention
+
+# Dense peak (no sparsity): (bf16 TFLOP/s, fp8 TFLOP/s, memory TB/s), by a substring of the device name.
+PEAKS = {"H200": (989.0, 1979.0, 4.8), "H100": (989.0, 1979.0, 3.35), "A100": (312.0, None, 2.0),
+         "L40S": (362.0, 733.0, 0.864)}
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    kv_heads: int = 0
+    q_heads: int = 0
+    head_dim: int = 0
+    rank: int = 0
+    rope: int = 0
+    experts: int = 0
+    inter: int = 0
+    hidden: int = 0
+    top_k: int = 0
+
+
+FULL = dict(
+    smollm2=Shape("SmolLM2-135M", kv_heads=3, q_heads=9, head_dim=64),
+    v3=Shape("DeepSeek-V3", q_heads=128, rank=512, rope=64, experts=256, inter=2048, hidden=7168, top_k=8),
+    v2_lite=Shape("DeepSeek-V2-Lite", q_heads=16, rank=512, rope=64, experts=64, inter=1408, hidden=2048, top_k=6),
+    batches=(1, 4, 16, 64, 256), context=2048)
+SMOKE = dict(
+    smollm2=Shape("SmolLM2-like (smoke)", kv_heads=2, q_heads=4, head_dim=32),
+    v3=Shape("DeepSeek-like (smoke)", q_heads=4, rank=32, rope=16, experts=8, inter=32, hidden=48, top_k=2),
+    v2_lite=None, batches=(1, 4), context=40)
+
+
+def timer(device: torch.device, reps: int) -> Callable[[Callable[[], object]], float]:
+    """-> ms per call (median-ish: triton's do_bench on CUDA; best of ``reps`` on CPU)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=3, rep=max(10, reps * 5))
+
+    def host(fn):
+        fn()
+        best = math.inf
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        return best * 1e3
+    return host
+
+
+class Table:
+    def __init__(self, peaks):
+        self.peaks = peaks
+        self.rows = [("kernel", "shape", "batch", "triton ms", "baselines ms", "TFLOP/s", "GB/s", "% peak")]
+
+    def add(self, kernel, shape, batch, t_ms, baselines: dict[str, float], flops, bytes_, fp8_math=False):
+        tflops, gbs = flops / t_ms / 1e9, bytes_ / t_ms / 1e6
+        frac = "n/a"
+        if self.peaks:
+            compute_peak = self.peaks[1] if fp8_math and self.peaks[1] else self.peaks[0]
+            frac = f"{100 * tflops / compute_peak:.0f}% math, {100 * gbs / (self.peaks[2] * 1e3):.0f}% mem"
+        base = ", ".join(f"{k} {v:.3f}" for k, v in baselines.items())
+        self.rows.append((kernel, shape, str(batch), f"{t_ms:.3f}", base, f"{tflops:.2f}", f"{gbs:.0f}", frac))
+        print(" | ".join(self.rows[-1]), flush=True)
+
+    def markdown(self) -> str:
+        lines = ["| " + " | ".join(self.rows[0]) + " |", "|" + "---|" * len(self.rows[0])]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in self.rows[1:]])
+
+
+def paged_layout(batch: int, context: int, block_size: int, device) -> tuple[torch.Tensor, int]:
+    """Block tables of ``batch`` requests of ``context`` tokens over randomly permuted blocks; -> (tables, blocks)."""
+    per_seq = -(-context // block_size)
+    num_blocks = batch * per_seq
+    return torch.randperm(num_blocks, device=device).view(batch, per_seq), num_blocks
+
+
+def bench_kv_write(table, time_fn, shape: Shape, slots: int, dim: int, batch: int, dtype, device):
+    num_blocks = -(-batch // 16) + 1
+    data = torch.zeros(num_blocks + 1, 16, slots, dim, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.zeros(num_blocks + 1, 16, slots, device=device)
+    new = torch.randn(batch, slots, dim, dtype=dtype, device=device)
+    slot_mapping = torch.randperm(num_blocks * 16, device=device)[:batch]
+    run = {b: (lambda b=b: write_kv(data, scales, new, slot_mapping, backend=b)) for b in ("triton", "torch")}
+    bytes_ = new.numel() * new.element_size() + new.numel() + batch * slots * 4
+    table.add("kv_write fp8", shape.name, batch, time_fn(run["triton"]), {"torch": time_fn(run["torch"])}, 0, bytes_)
+
+
+def bench_gqa_decode(table, time_fn, s: Shape, batch: int, context: int, dtype, device):
+    block_size = 16
+    tables, num_blocks = paged_layout(batch, context, block_size, device)
+    data = torch.randn(num_blocks + 1, block_size, 2 * s.kv_heads, s.head_dim, device=device).to(torch.float8_e4m3fn)
+    scales = torch.rand(num_blocks + 1, block_size, 2 * s.kv_heads, device=device) * 0.01
+    q = torch.randn(batch, s.q_heads, s.head_dim, dtype=dtype, device=device)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device),
+                             query_start_loc=list(range(batch + 1)), seq_lens=[context] * batch,
+                             block_tables=tables, block_size=block_size, decode_indices=list(range(batch)),
+                             prefill_indices=[])
+    k_dense = torch.randn(batch, s.kv_heads, context, s.head_dim, dtype=dtype, device=device)
+    v_dense = torch.randn_like(k_dense)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q[:, :, None], k_dense, v_dense, enable_gqa=True)
+    run = {b: (lambda b=b: paged_attention(q, q, q, data, scales, meta, 0.125, backend=b)) for b in ("triton", "torch")}
+    flops = 4 * batch * s.q_heads * context * s.head_dim
+    bytes_ = batch * context * 2 * s.kv_heads * (s.head_dim + 4)
+    table.add("paged decode fp8 (GQA)", s.name, batch, time_fn(run["triton"]),
+              {"torch": time_fn(run["torch"]), "sdpa 16-bit": time_fn(sdpa)}, flops, bytes_)
+
+
+def bench_mla_decode(table, time_fn, s: Shape, batch: int, context: int, dtype, device):
+    block_size = 16
+    tables, num_blocks = paged_layout(batch, context, block_size, device)
+    width = s.rank + s.rope
+    data = torch.randn(num_blocks + 1, block_size, 1, width, device=device).to(torch.float8_e4m3fn)
+    scales = torch.rand(num_blocks + 1, block_size, 1, device=device) * 0.01
+    q_lat = torch.randn(batch, s.q_heads, s.rank, dtype=dtype, device=device)
+    q_pe = torch.randn(batch, s.q_heads, s.rope, dtype=dtype, device=device)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    latent = torch.randn(batch, 1, context, width, dtype=dtype, device=device)
+    q_full = torch.cat([q_lat, q_pe], -1)[:, :, None]  # MQA form of absorbed MLA: K = latent, V = c_kv
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q_full, latent, latent[..., :s.rank], enable_gqa=True)
+    run = {b: (lambda b=b: mla_decode(q_lat, q_pe, data, scales, tables, lens, block_size, 0.07, backend=b))
+           for b in ("triton", "torch")}
+    flops = 2 * batch * s.q_heads * context * (width + s.rank)
+    bytes_ = batch * context * (width + 4)
+    table.add("MLA decode fp8", s.name, batch, time_fn(run["triton"]),
+              {"torch": time_fn(run["torch"]), "sdpa 16-bit": time_fn(sdpa)}, flops, bytes_)
+
+
+@functools.lru_cache(maxsize=2)
+def moe_weights(s: Shape, dtype, device, fp8: bool):
+    """Random experts, made one expert at a time (DeepSeek-V3's are 22.5 GB in bf16; quantizing them at once would
+    need several times that)."""
+    w1 = torch.empty(s.experts, 2 * s.inter, s.hidden, device=device, dtype=torch.float8_e4m3fn if fp8 else dtype)
+    w2 = torch.empty(s.experts, s.hidden, s.inter, device=device, dtype=w1.dtype)
+    block = (128, 128)
+    s1 = torch.empty(s.experts, -(-2 * s.inter // 128), -(-s.hidden // 128), device=device)
+    s2 = torch.empty(s.experts, -(-s.hidden // 128), -(-s.inter // 128), device=device)
+    for e in range(s.experts):
+        for w, scale in ((w1, s1), (w2, s2)):
+            values = torch.randn(w.shape[1:], device=device) * 0.02
+            if fp8:
+                w[e], scale[e] = quantize_fp8_blocks(values, block)
+            else:
+                w[e] = values.to(dtype)
+    return w1, w2, Fp8BlockScales(s1, s2, block) if fp8 else None
+
+
+def bench_fused_moe(table, time_fn, s: Shape, batch: int, dtype, device, fp8: bool):
+    w1, w2, scales = moe_weights(s, dtype, device, fp8)
+    x = torch.randn(batch, s.hidden, dtype=dtype, device=device)
+    weights, ids = torch.rand(batch, s.experts, device=device).topk(s.top_k, dim=-1)
+    run = {b: (lambda b=b: fused_moe(x, w1, w2, weights, ids, scales, backend=b)) for b in ("triton", "torch")}
+    hit = s.experts * (1 - (1 - 1 / s.experts) ** (batch * s.top_k))  # expected distinct experts touched
+    flops = 6 * batch * s.top_k * s.hidden * s.inter
+    bytes_ = hit * 3 * s.inter * s.hidden * w1.element_size() + 2 * batch * s.hidden * x.element_size()
+    table.add(f"fused MoE {'fp8 w8a8' if fp8 else str(dtype).removeprefix('torch.')}", s.name, batch,
+              time_fn(run["triton"]), {"torch": time_fn(run["torch"])}, flops, bytes_, fp8_math=fp8)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU + TRITON_INTERPRET=1 works)")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.smoke:
+        print("no CUDA GPU here: nothing to measure (run with --smoke and TRITON_INTERPRET=1 to check the script)")
+        return 0
+    cfg = SMOKE if args.smoke else FULL
+    # The interpreter's bf16 tl.dot is wrong and slow; fp16 keeps the smoke run's numbers meaningful.
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    peaks = next((p for key, p in PEAKS.items() if key in name), None)
+    print(f"device: {name}; peak (bf16 TFLOP/s, fp8 TFLOP/s, TB/s): {peaks or 'n/a'}")
+    table, time_fn = Table(peaks), timer(device, args.reps)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for batch in cfg["batches"]:
+            s, v3 = cfg["smollm2"], cfg["v3"]
+            bench_kv_write(table, time_fn, s, 2 * s.kv_heads, s.head_dim, batch, dtype, device)
+            bench_kv_write(table, time_fn, v3, 1, v3.rank + v3.rope, batch, dtype, device)
+            bench_gqa_decode(table, time_fn, s, batch, cfg["context"], dtype, device)
+            bench_mla_decode(table, time_fn, v3, batch, cfg["context"], dtype, device)
+            for moe_shape in (v3, cfg["v2_lite"]):
+                if moe_shape is not None:
+                    bench_fused_moe(table, time_fn, moe_shape, batch, dtype, device, fp8=False)
+            bench_fused_moe(table, time_fn, v3, batch, dtype, device, fp8=True)
+    print(f"\n{table.markdown()}\n\ntotal {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Tiny random checkpoints written by transformers (safetensors + config + SmolLM2's tokenizer) for the tests:
+a Llama/Qwen2 (GQA) and DeepSeek-V2/V3 (MLA + MoE) in their released layouts. Returns transformers' model."""
+
+import torch
+
+
+def make_llama_checkpoint(path, smollm_llm, arch="llama", rope=None):
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=len(smollm_llm.tokenizer.hf), hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common, head_dim=16, rope_theta=10000.0)
+        if rope:
+            config.rope_parameters = {"rope_theta": 10000.0, **rope}
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen2Config(**common, rope_theta=10000.0)
+        model = transformers.Qwen2ForCausalLM(config)
+        with torch.no_grad():  # random biases so that a dropped bias would show
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_()
+    model.save_pretrained(path)
+    smollm_llm.tokenizer.hf.save_pretrained(path)
+    return model.eval()
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.707,
+        "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
+COMMON = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+              first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+              n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.0, max_position_embeddings=256,
+              rms_norm_eps=1e-6, tie_word_embeddings=False)
+CONFIGS = {
+    "v3-q-lora": ("DeepseekV3", {"q_lora_rank": 24, "norm_topk_prob": True, "rope_parameters": YARN}),
+    "v3-no-q-lora": ("DeepseekV3", {"q_lora_rank": None, "norm_topk_prob": True}),
+    "v2-lite-like": ("DeepseekV2", {"q_lora_rank": None, "topk_method": "group_limited_greedy",
+                                     "rope_parameters": YARN}),
+}
+
+
+def make_deepseek_checkpoint(path, smollm_llm, kind):
+    import transformers
+
+    family, extra = CONFIGS[kind]
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(vocab_size=len(smollm_llm.tokenizer.hf), **COMMON, **extra)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.08)
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(path)
+    smollm_llm.tokenizer.hf.save_pretrained(path)
+    return model.eval()
