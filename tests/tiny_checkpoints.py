@@ -1,6 +1,8 @@
 """Tiny random checkpoints written by transformers (safetensors + config + SmolLM2's tokenizer) for the tests:
 a Llama/Qwen2 (GQA) and DeepSeek-V2/V3 (MLA + MoE) in their released layouts. Returns transformers' model."""
 
+import json
+
 import torch
 
 
@@ -60,3 +62,42 @@ def make_deepseek_checkpoint(path, smollm_llm, kind):
     model.save_pretrained(path)
     smollm_llm.tokenizer.hf.save_pretrained(path)
     return model.eval()
+
+
+def _quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's format, written independently of the loader: per (block x block) tile, scale = amax / 448."""
+    rows, cols = w.shape
+    pad = torch.zeros(-(-rows // block) * block, -(-cols // block) * block)
+    pad[:rows, :cols] = w
+    tiles = pad.view(pad.shape[0] // block, block, pad.shape[1] // block, block)
+    scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)  # [row tiles, col tiles]
+    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    deq = (q.float() * scale[:, None, :, None]).view(pad.shape)[:rows, :cols]
+    return q.view(pad.shape)[:rows, :cols].contiguous(), scale, deq.contiguous()
+
+
+def write_fp8_copies(src, tmp_path, tokenizer, block: int):
+    """From checkpoint ``src``: ``tmp_path/fp8`` with every 2-D projection block-quantized (DeepSeek-V3's format:
+    ``weight_scale_inv`` per block x block tile) and ``tmp_path/deq`` with the same weights dequantized."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(next(src.glob("*.safetensors"))))
+    fp8, dequantized = {}, {}
+    for name, w in tensors.items():
+        if w.dim() == 2 and name.endswith("_proj.weight"):
+            q, scale, deq = _quantize_blocks(w.float(), block)
+            fp8[name], fp8[name + "_scale_inv"], dequantized[name] = q, scale, deq
+        else:
+            fp8[name] = dequantized[name] = w
+    assert any(t.dtype == torch.float8_e4m3fn for t in fp8.values())
+    config = json.loads((src / "config.json").read_text())
+    for target, weights, quant in ((tmp_path / "fp8", fp8, True), (tmp_path / "deq", dequantized, False)):
+        target.mkdir()
+        save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+        cfg = dict(config)
+        if quant:
+            cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": [block, block]}
+        (target / "config.json").write_text(json.dumps(cfg))
+        tokenizer.save_pretrained(target)
+    return tmp_path / "fp8", tmp_path / "deq"

@@ -11,7 +11,7 @@ from tests.conftest import hf_greedy
 from tests.helpers import kl_per_position, teacher_forced_logits
 from tokenmill import LLM, SamplingParams
 from tokenmill.kvcache.cache import KVCache
-from tests.tiny_checkpoints import CONFIGS, make_deepseek_checkpoint
+from tests.tiny_checkpoints import CONFIGS, make_deepseek_checkpoint, write_fp8_copies
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def tiny(request, tmp_path_factory, smollm_llm):
@@ -113,45 +113,14 @@ def test_served_chat_stream(tmp_path, smollm_llm):
         stop_server(server)
 
 
-def _quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's format, written independently of the loader: per (block x block) tile, scale = amax / 448."""
-    rows, cols = w.shape
-    pad = torch.zeros(-(-rows // block) * block, -(-cols // block) * block)
-    pad[:rows, :cols] = w
-    tiles = pad.view(pad.shape[0] // block, block, pad.shape[1] // block, block)
-    scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)  # [row tiles, col tiles]
-    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
-    deq = (q.float() * scale[:, None, :, None]).view(pad.shape)[:rows, :cols]
-    return q.view(pad.shape)[:rows, :cols].contiguous(), scale, deq.contiguous()
-
-
 def test_fp8_block_quantized_checkpoint(tmp_path, smollm_llm):
     """An fp8 copy of the tiny V3 weights (16x16 blocks, partial edge blocks included) against transformers
     running the same dequantized weights."""
     import transformers
-    from safetensors.torch import load_file, save_file
 
     src = tmp_path / "bf16"
     make_deepseek_checkpoint(src, smollm_llm, "v3-q-lora")
-    tensors = load_file(str(next(src.glob("*.safetensors"))))
-    fp8, dequantized = {}, {}
-    for name, w in tensors.items():
-        if w.dim() == 2 and name.endswith("_proj.weight"):
-            q, scale, deq = _quantize_blocks(w.float(), 16)
-            fp8[name], fp8[name + "_scale_inv"], dequantized[name] = q, scale, deq
-        else:
-            fp8[name] = dequantized[name] = w
-    assert any(t.dtype == torch.float8_e4m3fn for t in fp8.values())
-    config = json.loads((src / "config.json").read_text())
-    for target, weights, quant in ((tmp_path / "fp8", fp8, True), (tmp_path / "deq", dequantized, False)):
-        target.mkdir()
-        save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
-        cfg = dict(config)
-        if quant:
-            cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                          "weight_block_size": [16, 16]}
-        (target / "config.json").write_text(json.dumps(cfg))
-        smollm_llm.tokenizer.hf.save_pretrained(target)
+    write_fp8_copies(src, tmp_path, smollm_llm.tokenizer.hf, block=16)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "deq", dtype=torch.float32).eval()
     llm = LLM(model=str(tmp_path / "fp8"), dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="8MiB",
               max_num_batched_tokens=8)

@@ -38,7 +38,9 @@ class DecoderLM(nn.Module):
         return logits_with_exact_top(hidden, self.lm_head.weight)
 
     def to_device(self, device: torch.device | str, dtype: torch.dtype) -> "DecoderLM":
-        keep = {n: p.data.float() for n, p in self.named_parameters() if self.fp32_params and n.endswith(self.fp32_params)}
+        """Cast to the compute dtype, except ``fp32_params`` (kept float32) and fp8 weights (kept fp8)."""
+        keep = {n: p.data if p.dtype == torch.float8_e4m3fn else p.data.float() for n, p in self.named_parameters()
+                if p.dtype == torch.float8_e4m3fn or (self.fp32_params and n.endswith(self.fp32_params))}
         self.to(device=device, dtype=dtype)
         for name, param in self.named_parameters():
             if name in keep:

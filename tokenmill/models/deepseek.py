@@ -8,6 +8,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.fp8 import dequantize_fp8_blocks
 from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
 from tokenmill.models.base import DecoderLM
@@ -17,12 +18,17 @@ from tokenmill.models.layers.moe import MoE
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
 
-# Kept float32 whatever the compute dtype: the router decides in float32, as DeepSeek's code does.
-_FP32_PARAMS = ("gate_weight", "e_score_correction_bias")
+# Kept float32 whatever the compute dtype: the router decides in float32, as DeepSeek's code does; fp8 scales.
+_FP32_PARAMS = ("gate_weight", "e_score_correction_bias", "w_gate_up_scale", "w_down_scale")
+
+
+# The routed experts' weights, per-expert (released checkpoints) or fused (transformers' layout).
+_ROUTED_EXPERT_WEIGHT = re.compile(r"mlp\.experts\.(\d+\.(gate|up|down)_proj\.weight|gate_up_proj|down_proj)$")
 
 
 class DeepseekLayer(nn.Module):
-    def __init__(self, c: dict[str, Any], index: int, rotary: RotaryEmbedding, interleaved: bool):
+    def __init__(self, c: dict[str, Any], index: int, rotary: RotaryEmbedding, interleaved: bool,
+                 fp8_block: tuple[int, int] | None):
         super().__init__()
         eps = c.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(c["hidden_size"], eps)
@@ -31,7 +37,7 @@ class DeepseekLayer(nn.Module):
         # DeepSeek's rule (transformers drops the frequency, which every released config sets to 1).
         moe = (c.get("n_routed_experts") and index >= c.get("first_k_dense_replace", 0)
                and index % c.get("moe_layer_freq", 1) == 0)
-        self.mlp = MoE(c["hidden_size"], c) if moe else SwiGLU(c["hidden_size"], c["intermediate_size"])
+        self.mlp = MoE(c["hidden_size"], c, fp8_block) if moe else SwiGLU(c["hidden_size"], c["intermediate_size"])
 
     def forward(self, x, positions, meta, cache):
         x = x + self.self_attn(self.input_layernorm(x), positions, meta, cache)
@@ -41,21 +47,29 @@ class DeepseekLayer(nn.Module):
 class DeepseekForCausalLM(DecoderLM):
     fp32_params = _FP32_PARAMS
 
-    def __init__(self, hf_config: dict[str, Any]):
+    def __init__(self, hf_config: dict[str, Any], kernels: KernelChoice = KernelChoice()):
         super().__init__()
         c = self.config = hf_config
         quant = c.get("quantization_config") or {}
         if quant and quant.get("quant_method") != "fp8":
             raise ValueError(f"quantization {quant.get('quant_method')!r} is not supported (only fp8 blocks)")
         self.weight_block = tuple(quant.get("weight_block_size") or (128, 128))
+        # fp8 checkpoints keep their routed experts fp8 where fp8 GEMMs exist (the Triton fused MoE), with
+        # activations quantized per token group as DeepSeek's own inference does; elsewhere they are dequantized at
+        # load. The fused gate/up scale grid needs the gate/up boundary on a block edge.
+        self.fp8_experts = bool(quant) and kernels.backend == "triton" and \
+            c.get("moe_intermediate_size", 0) % self.weight_block[0] == 0
+        fp8_block = self.weight_block if self.fp8_experts else None
         self.max_position = c.get("max_position_embeddings", 4096)
         interleaved = c.get("rope_interleave", True)  # V2 always rotates interleaved pairs; V3 says so
         self.rotary = RotaryEmbedding(c["qk_rope_head_dim"], self.max_position, rope_parameters(c))
         self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.layers = nn.ModuleList(DeepseekLayer(c, i, self.rotary, interleaved) for i in range(c["num_hidden_layers"]))
+        self.layers = nn.ModuleList(DeepseekLayer(c, i, self.rotary, interleaved, fp8_block)
+                                    for i in range(c["num_hidden_layers"]))
         self.norm = RMSNorm(c["hidden_size"], c.get("rms_norm_eps", 1e-6))
         self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
         self.requires_grad_(False)
+        self.use_kernels(kernels)
 
     def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int) -> KVCacheSpec:
         """One slot per token and layer: the latent and the roped key part, nothing per head."""
@@ -73,6 +87,15 @@ class DeepseekForCausalLM(DecoderLM):
                 return params[f"{prefix}.w_down"].data[expert], f"{prefix}.w_down"
             rows = slice(0, inter) if kind == "gate" else slice(inter, 2 * inter)
             return params[f"{prefix}.w_gate_up"].data[expert, rows], f"{prefix}.w_gate_up"
+        if m := re.fullmatch(r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight_scale_inv", n):
+            prefix, expert, kind = m.group(1), int(m.group(2)), m.group(3)
+            if kind == "down":
+                return params[f"{prefix}.w_down_scale"].data[expert], f"{prefix}.w_down_scale"
+            rows = inter // self.weight_block[0]  # whole blocks: fp8_experts requires it
+            rows = slice(0, rows) if kind == "gate" else slice(rows, 2 * rows)
+            return params[f"{prefix}.w_gate_up_scale"].data[expert, rows], f"{prefix}.w_gate_up_scale"
+        n = re.sub(r"mlp\.experts\.gate_up_proj_scale_inv$", "mlp.w_gate_up_scale", n)
+        n = re.sub(r"mlp\.experts\.down_proj_scale_inv$", "mlp.w_down_scale", n)
         n = re.sub(r"mlp\.experts\.gate_up_proj$", "mlp.w_gate_up", n)
         n = re.sub(r"mlp\.experts\.down_proj$", "mlp.w_down", n)
         n = re.sub(r"mlp\.gate\.weight$", "mlp.gate_weight", n)
@@ -88,7 +111,8 @@ class DeepseekForCausalLM(DecoderLM):
     def _dequantized(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """fp8 block-quantized checkpoints (DeepSeek-V3 style): each float8_e4m3fn ``W`` comes with
         ``W_scale_inv`` [ceil(out / bo), ceil(in / bi)] and means ``W * scale_inv`` per (bo x bi) block. The CPU
-        path dequantizes here; tensors arrive in any order, so halves wait for each other."""
+        path dequantizes here (so does every path for the weights outside the routed experts, and for the experts
+        unless ``fp8_experts``); tensors arrive in any order, so halves wait for each other."""
         pending: dict[str, torch.Tensor] = {}
         for name, tensor in weights:
             is_scale = name.endswith(".weight_scale_inv")
@@ -101,7 +125,11 @@ class DeepseekForCausalLM(DecoderLM):
                 pending[name] = tensor
                 continue
             weight, scale = (other, tensor) if is_scale else (tensor, other)
-            yield base, dequantize_fp8_blocks(weight, scale, self.weight_block)
+            if self.fp8_experts and _ROUTED_EXPERT_WEIGHT.search(base):
+                yield base, weight
+                yield base + "_scale_inv", scale
+            else:
+                yield base, dequantize_fp8_blocks(weight, scale, self.weight_block)
         if pending:
             raise ValueError(f"fp8 weights without their scales (or scales without weights): {sorted(pending)[:3]}")
 

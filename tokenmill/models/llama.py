@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
+from tokenmill.kernels.backend import KernelChoice
 from tokenmill.models.base import DecoderLM
 from tokenmill.models.layers.attention import PagedGQAttention
 from tokenmill.models.layers.mlp import SwiGLU
@@ -64,7 +65,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(DecoderLM):
-    def __init__(self, hf_config: dict[str, Any]):
+    def __init__(self, hf_config: dict[str, Any], kernels: KernelChoice = KernelChoice()):
         super().__init__()
         a = self.args = LlamaArgs.from_hf(hf_config)
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope)
@@ -73,6 +74,7 @@ class LlamaForCausalLM(DecoderLM):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.requires_grad_(False)
+        self.use_kernels(kernels)
 
     @property
     def max_position(self) -> int:

@@ -60,16 +60,16 @@ def kernel_choice(config: EngineConfig, device: torch.device) -> KernelChoice:
 def load_model_and_cache(checkpoint: Checkpoint, config: EngineConfig) -> LoadedModel:
     device = torch.device(config.resolved_device())
     dtype = resolve_dtype(config, device)
+    kernels = kernel_choice(config, device)
     try:
         model_cls = model_class_for(checkpoint.hf_config)
         with torch.device("meta"):
-            model = model_cls(checkpoint.hf_config)
+            model = model_cls(checkpoint.hf_config, kernels=kernels)
         model.to_empty(device="cpu")
         model.load_weights(checkpoint.weights())
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"cannot build the model from {checkpoint.path}: {exc}") from None
     model = model.to_device(device, dtype).eval()
-    model.use_kernels(kernel_choice(config, device))
 
     spec = model.kv_cache_spec(config.kv_cache_dtype, config.block_size)
     num_blocks = spec.num_blocks_for(_kv_budget(config, device)) - 1  # one block is the cache's null block

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.backend import KernelChoice
-from tokenmill.kernels.fused_moe import fused_moe
+from tokenmill.kernels.fused_moe import Fp8BlockScales, fused_moe
 from tokenmill.models.layers.mlp import SwiGLU
 
 
@@ -71,22 +71,33 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 class MoE(nn.Module):
     kernels = KernelChoice()  # set per model by DecoderLM.use_kernels
 
-    def __init__(self, hidden: int, c: dict[str, Any]):
+    def __init__(self, hidden: int, c: dict[str, Any], fp8_block: tuple[int, int] | None = None):
+        """``fp8_block``: keep the routed experts in float8_e4m3fn with (bn x bk) block scales (DeepSeek-V3's
+        checkpoint format) and run them as fp8 GEMMs; None = experts in the compute dtype."""
         super().__init__()
         self.cfg = RouterConfig.from_hf(c)
-        inter = c["moe_intermediate_size"]
-        self.gate_weight = nn.Parameter(torch.empty(self.cfg.num_experts, hidden), requires_grad=False)
-        bias = torch.empty(self.cfg.num_experts) if self.cfg.topk_method == "noaux_tc" else None
+        inter, experts = c["moe_intermediate_size"], self.cfg.num_experts
+        self.gate_weight = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
+        bias = torch.empty(experts) if self.cfg.topk_method == "noaux_tc" else None
         self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.w_gate_up = nn.Parameter(torch.empty(self.cfg.num_experts, 2 * inter, hidden), requires_grad=False)
-        self.w_down = nn.Parameter(torch.empty(self.cfg.num_experts, hidden, inter), requires_grad=False)
+        dtype = torch.float8_e4m3fn if fp8_block else None
+        self.w_gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), requires_grad=False)
+        self.fp8_block = fp8_block
+        if fp8_block:
+            bn, bk = fp8_block
+            self.w_gate_up_scale = nn.Parameter(torch.empty(experts, -(-2 * inter // bn), -(-hidden // bk)),
+                                                requires_grad=False)
+            self.w_down_scale = nn.Parameter(torch.empty(experts, -(-hidden // bn), -(-inter // bk)),
+                                             requires_grad=False)
         shared = c.get("n_shared_experts") or 0
         self.shared_experts = SwiGLU(hidden, inter * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         weights, ids = route(x, self.gate_weight, self.e_score_correction_bias, self.cfg)
-        out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids, backend=self.kernels.backend,
+        scales = Fp8BlockScales(self.w_gate_up_scale, self.w_down_scale, self.fp8_block) if self.fp8_block else None
+        out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids, scales, backend=self.kernels.backend,
                         tuner=self.kernels.moe_tuner)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
