@@ -40,7 +40,8 @@ def test_write_kv_matches_reference_bit_for_bit(kv_dtype, new_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype,q_dtype", [("fp8", torch.float32), ("fp8", torch.float16),
-                                              ("fp16", torch.float16), ("fp32", torch.float32)])
+                                              ("fp16", torch.float16), ("bf16", torch.float32),
+                                              ("fp32", torch.float32)])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_paged_attention_matches_reference(kv_dtype, q_dtype, block_size, num_splits):

@@ -35,7 +35,7 @@ def latent_cache(lens, rank, rope, kv_dtype, block_size, dtype, num_blocks=48, s
 
 
 @pytest.mark.parametrize("kv_dtype,dtype", [("fp8", torch.float32), ("fp8", torch.float16),
-                                            ("fp16", torch.float16), ("fp32", torch.float32)])
+                                            ("fp16", torch.float16), ("bf16", torch.float32), ("fp32", torch.float32)])
 @pytest.mark.parametrize("rank,rope,heads", [(48, 8, 20), (512, 64, 16)])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_mla_decode_matches_reference(kv_dtype, dtype, rank, rope, heads, num_splits):
