@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from tokenmill.scheduler.client import EngineClient
 
 P = "tokenmill:"
+REJECT_REASONS = ("admission", "context_length")  # 429 (admission limit), 400 (prompt + max_tokens too long)
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
@@ -79,9 +80,15 @@ class Metrics:
                                 labels + ["reason"], registry=r)
         self.key_tokens = Counter(P + "key_tokens", "Tokens per API key name and kind (prompt, generation).",
                                   labels + ["key_name", "kind"], registry=r)
+        # Known label values start at 0, so rate() and the dashboard see the series before the first event.
+        for reason in REJECT_REASONS:
+            self.rejected.labels(model, reason)
+        for finish_reason in ("stop", "length"):
+            self.success.labels(model, finish_reason)
         r.register(_EngineCollector(client, model))
         ProcessCollector(registry=r)  # process_resident_memory_bytes etc., for peak-memory reports
 
     def reject(self, reason: str) -> None:
+        assert reason in REJECT_REASONS, reason
         self.rejected.labels(self.model, reason).inc()
 
