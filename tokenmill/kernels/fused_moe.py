@@ -72,7 +72,9 @@ class AlignedRouting:
 def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRouting:
     flat = topk_ids.flatten().to(torch.int64)
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount sizes its output from the data (a device-to-host sync on CUDA).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)

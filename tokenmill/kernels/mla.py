@@ -39,10 +39,12 @@ def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, data: torch.Te
 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sm_scale: float,
-               backend: str = "torch") -> torch.Tensor:
-    """Dispatch: ``backend`` is a resolved kernel backend, "triton" or "torch" (kernels/backend.py)."""
+               backend: str = "torch", max_len: int | None = None) -> torch.Tensor:
+    """Dispatch: ``backend`` is a resolved kernel backend, "triton" or "torch" (kernels/backend.py); ``max_len``
+    (the longest of ``seq_lens``, known on the host) spares the Triton path a device-to-host sync."""
     if backend == "triton":
         from tokenmill.kernels.triton.mla import mla_decode_triton
 
-        return mla_decode_triton(q_lat, q_pe, data, scales, block_tables, seq_lens, block_size, sm_scale)
+        return mla_decode_triton(q_lat, q_pe, data, scales, block_tables, seq_lens, block_size, sm_scale,
+                                 max_len=max_len)
     return mla_decode_reference(q_lat, q_pe, data, scales, block_tables, seq_lens, block_size, sm_scale)

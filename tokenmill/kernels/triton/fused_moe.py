@@ -30,19 +30,20 @@ from tokenmill.kernels.triton.moe_config import MoEConfig, MoEShape, MoETuner, h
 @triton.jit
 def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr,
-        num_pairs, stride_am, stride_be, stride_bn, stride_cm, stride_as, stride_bse, stride_bsn,
-        N: tl.constexpr, K: tl.constexpr, NUM_M_TILES: tl.constexpr, A_ROW_DIV: tl.constexpr,
+        num_pairs, num_m_tiles, stride_am, stride_be, stride_bn, stride_cm, stride_as, stride_bse, stride_bsn,
+        N: tl.constexpr, K: tl.constexpr, A_ROW_DIV: tl.constexpr,
         GATED: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
         SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, F32: tl.constexpr):
     """C[rows, :N] = epilogue(A[rows // A_ROW_DIV] @ B[e, :N]^T) over the rows of one expert's M tile.
-    GATED: B has 2N rows (gate then up) and the epilogue is silu(gate) * up."""
+    GATED: B has 2N rows (gate then up) and the epilogue is silu(gate) * up. Row counts are runtime arguments
+    (one compiled kernel serves every batch size); N and K are compile-time (fixed per model)."""
     # Grouped tile order: GROUP_M consecutive M tiles share each N tile while it is in L2.
     pid = tl.program_id(0)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_group = GROUP_M * num_n_tiles
     first_m = (pid // tiles_per_group) * GROUP_M
-    group_size = tl.minimum(NUM_M_TILES - first_m, GROUP_M)
+    group_size = tl.minimum(num_m_tiles - first_m, GROUP_M)
     pid_m = first_m + (pid % tiles_per_group) % group_size
     pid_n = (pid % tiles_per_group) // group_size
 
@@ -100,10 +101,10 @@ def _moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_
     fp8 = w_scale is not None
     _moe_gemm_kernel[grid](
         a, w, out, a_scale if fp8 else a, w_scale if fp8 else w, topk_weights if topk_weights is not None else a,
-        routing.sorted_ids, routing.expert_ids, routing.num_pairs,
+        routing.sorted_ids, routing.expert_ids, routing.num_pairs, num_m_tiles,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         a_scale.stride(0) if fp8 else 0, w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
-        N=n, K=k, NUM_M_TILES=num_m_tiles, A_ROW_DIV=a_row_div, GATED=gated,
+        N=n, K=k, A_ROW_DIV=a_row_div, GATED=gated,
         ROUTED_WEIGHT=topk_weights is not None, FP8=fp8,
         SCALE_N=scale_block[0] if fp8 else 1, SCALE_K=scale_block[1] if fp8 else 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

@@ -73,14 +73,17 @@ def _mla_decode_split_kernel(
 
 def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sm_scale: float,
-                      num_splits: int | None = None) -> torch.Tensor:
+                      num_splits: int | None = None, max_len: int | None = None) -> torch.Tensor:
     batch, heads, rank = q_lat.shape
     rope = q_pe.shape[-1]
     assert data.shape[-2:] == (1, rank + rope) and data.is_contiguous()
     assert q_lat.stride(-1) == q_pe.stride(-1) == 1
     block_h = 16
     head_groups = triton.cdiv(heads, block_h)
-    splits = num_splits or decode_num_splits(batch * head_groups, int(seq_lens.max()), q_lat.device)
+    splits = num_splits
+    if splits is None:
+        longest = max_len if max_len is not None else int(seq_lens.max())
+        splits = decode_num_splits(batch * head_groups, longest, q_lat.device)
     o_part = torch.empty(batch, heads, splits, rank, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q_lat.device)
     _mla_decode_split_kernel[(batch, head_groups, splits)](
