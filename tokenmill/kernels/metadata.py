@@ -14,6 +14,7 @@ class DeviceTensors:
     seq_lens: torch.Tensor  # [B] int32
     decode_rows: torch.Tensor  # [len(decode_indices)] int64: each decode's row in the flattened batch
     decode_seq_lens: torch.Tensor  # [len(decode_indices)] int32
+    decode_block_tables: torch.Tensor  # [len(decode_indices), max_blocks]: the decodes' rows of block_tables
 
 
 @dataclass
@@ -32,6 +33,7 @@ class AttentionMetadata:
     # Indices of the other requests (prefill chunks), attended one by one.
     prefill_indices: list[int]
     _tensors: DeviceTensors | None = field(default=None, repr=False, compare=False)
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def device_tensors(self, device: torch.device) -> DeviceTensors:
         """Built on first use and shared by every layer of the step (one host-to-device copy per step)."""
@@ -42,5 +44,12 @@ class AttentionMetadata:
                 query_start_loc=as_tensor(self.query_start_loc, torch.int32),
                 seq_lens=as_tensor(self.seq_lens, torch.int32),
                 decode_rows=as_tensor([self.query_start_loc[i] for i in self.decode_indices], torch.int64),
-                decode_seq_lens=as_tensor([self.seq_lens[i] for i in self.decode_indices], torch.int32))
+                decode_seq_lens=as_tensor([self.seq_lens[i] for i in self.decode_indices], torch.int32),
+                decode_block_tables=self.block_tables[self.decode_indices])
         return self._tensors
+
+    def derived(self, key, build):
+        """``build()`` once per step for ``key``, shared by every layer (e.g. a kernel's work list)."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]

@@ -166,11 +166,13 @@ def paged_prefill_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     hq, dim = q.shape[1:]
     hkv = data.shape[-2] // 2
     tensors = meta.device_tensors(q.device)
-    work = [(i, m) for i in meta.prefill_indices
-            for m in range(0, meta.query_start_loc[i + 1] - meta.query_start_loc[i], block_m)]
-    work_t = torch.tensor(work, dtype=torch.int32, device=q.device)
+    def work_list() -> torch.Tensor:  # (request, first query of the tile) per program
+        work = [(i, m) for i in meta.prefill_indices
+                for m in range(0, meta.query_start_loc[i + 1] - meta.query_start_loc[i], block_m)]
+        return torch.tensor(work, dtype=torch.int32, device=q.device)
+    work_t = meta.derived(("prefill_work", block_m), work_list)
     assert q.stride(-1) == k_new.stride(-1) == v_new.stride(-1) == out.stride(-1) == 1 and data.is_contiguous()
-    _prefill_kernel[(len(work), hq)](
+    _prefill_kernel[(work_t.shape[0], hq)](
         q, k_new, v_new, data, scales if scales is not None else data, meta.block_tables,
         tensors.query_start_loc, tensors.seq_lens, work_t, out, sm_scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
@@ -185,12 +187,12 @@ def paged_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Te
     out = torch.empty_like(q)
     if meta.decode_indices:
         idx = meta.decode_indices
-        rows = meta.device_tensors(q.device).decode_rows
-        lens = meta.device_tensors(q.device).decode_seq_lens
+        tensors = meta.device_tensors(q.device)
         hkv = data.shape[-2] // 2
         splits = num_splits or decode_num_splits(len(idx) * hkv, max(meta.seq_lens[i] for i in idx), q.device)
-        out[rows] = paged_decode_triton(q[rows], data, scales, meta.block_tables[idx], lens, meta.block_size,
-                                        sm_scale, splits)
+        out[tensors.decode_rows] = paged_decode_triton(q[tensors.decode_rows], data, scales,
+                                                       tensors.decode_block_tables, tensors.decode_seq_lens,
+                                                       meta.block_size, sm_scale, splits)
     if meta.prefill_indices:
         paged_prefill_triton(q, k_new, v_new, data, scales, meta, sm_scale, out)
     return out

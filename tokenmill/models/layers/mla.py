@@ -88,8 +88,8 @@ class MLAttention(nn.Module):
     def _decode(self, q_nope, q_pe, data, scales, meta: AttentionMetadata) -> torch.Tensor:
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # W_UK absorbed into the query
-        lens = meta.device_tensors(q_nope.device).decode_seq_lens
-        o_lat = mla_decode(q_lat, q_pe, data, scales, meta.block_tables[meta.decode_indices], lens,
+        tensors = meta.device_tensors(q_nope.device)
+        o_lat = mla_decode(q_lat, q_pe, data, scales, tensors.decode_block_tables, tensors.decode_seq_lens,
                            meta.block_size, self.sm_scale, backend=self.kernels.backend,
                            max_len=max(meta.seq_lens[i] for i in meta.decode_indices))
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
