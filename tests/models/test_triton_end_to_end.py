@@ -57,14 +57,23 @@ def test_served_on_triton_matches_torch(tmp_path, tiny_model):
         stop_server(server)
 
 
-def test_triton_backend_on_cpu_without_interpreter_is_a_clear_config_error(monkeypatch):
+def test_backend_choice_where_triton_cannot_run_is_a_clear_error_or_the_references(monkeypatch):
     import tokenmill.kernels.triton.common as common
     from tokenmill.kernels.backend import resolve_kernel_backend
 
-    monkeypatch.setattr(common, "interpreting", lambda kernel: False)
+    monkeypatch.setattr(common, "interpreting", lambda kernel: False)  # as without TRITON_INTERPRET
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         resolve_kernel_backend("triton", torch.device("cpu"))
     assert resolve_kernel_backend("auto", torch.device("cpu")) == "torch"
+    # An A100 (8.0) has no fp8 in Triton: fp8 caches/weights fall back to the references under auto.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    cuda = torch.device("cuda", 0)
+    assert resolve_kernel_backend("auto", cuda, fp8=True) == "torch"
+    assert resolve_kernel_backend("auto", cuda, fp8=False) == "triton"
+    with pytest.raises(ValueError, match="compute capability >= 8.9"):
+        resolve_kernel_backend("triton", cuda, fp8=True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_kernel_backend("auto", cuda, fp8=True) == "triton"
 
 
 def test_fp8_checkpoint_runs_fp8_experts_on_triton(tmp_path, smollm_llm):

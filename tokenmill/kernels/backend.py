@@ -15,26 +15,37 @@ import torch
 BACKENDS = ("auto", "triton", "torch")
 
 
-def _triton_runs_on(device: torch.device) -> tuple[bool, str]:
+# float8_e4m3 in Triton kernels (loads, stores, tl.dot) needs compute capability 8.9 (Ada) or newer.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def _triton_runs_on(device: torch.device, fp8: bool) -> tuple[bool, str]:
     if importlib.util.find_spec("triton") is None:
         return False, "triton is not installed"
     from tokenmill.kernels.triton.common import dot, interpreting
 
-    if device.type == "cuda" or interpreting(dot):
+    if interpreting(dot):
         return True, ""
-    return False, f"Triton kernels need a CUDA device (got {device.type}); on a CPU set TRITON_INTERPRET=1 to " \
-                  "run them through Triton's interpreter, slowly"
+    if device.type != "cuda":
+        return False, f"Triton kernels need a CUDA device (got {device.type}); on a CPU set TRITON_INTERPRET=1 to " \
+                      "run them through Triton's interpreter, slowly"
+    capability = torch.cuda.get_device_capability(device)
+    if fp8 and capability < FP8_MIN_CAPABILITY:
+        return False, f"the fp8 KV cache / fp8 weights need compute capability >= 8.9 in Triton (this GPU is " \
+                      f"{capability[0]}.{capability[1]}); use --kv-cache-dtype bf16 or --kernel-backend torch"
+    return True, ""
 
 
-def resolve_kernel_backend(name: str, device: torch.device) -> str:
-    """-> "triton" | "torch"; ValueError when ``triton`` is asked for where it cannot run."""
+def resolve_kernel_backend(name: str, device: torch.device, fp8: bool = False) -> str:
+    """-> "triton" | "torch"; ValueError when ``triton`` is asked for where it cannot run. ``fp8``: the model uses an
+    fp8 KV cache or fp8 weights. ``auto`` picks Triton only where it runs."""
     if name not in BACKENDS:
         raise ValueError(f"kernel_backend must be one of {BACKENDS}, got {name!r}")
     if name == "torch":
         return "torch"
     if name == "auto":
-        return "triton" if device.type == "cuda" and _triton_runs_on(device)[0] else "torch"
-    ok, why = _triton_runs_on(device)
+        return "triton" if device.type == "cuda" and _triton_runs_on(device, fp8)[0] else "torch"
+    ok, why = _triton_runs_on(device, fp8)
     if not ok:
         raise ValueError(f"kernel_backend=triton: {why}")
     return "triton"

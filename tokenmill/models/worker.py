@@ -43,9 +43,10 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
     return int(total * config.gpu_memory_utilization) - (total - free)
 
 
-def kernel_choice(config: EngineConfig, device: torch.device) -> KernelChoice:
+def kernel_choice(config: EngineConfig, device: torch.device, fp8_weights: bool) -> KernelChoice:
     try:
-        backend = resolve_kernel_backend(config.kernel_backend, device)
+        backend = resolve_kernel_backend(config.kernel_backend, device,
+                                         fp8=fp8_weights or config.kv_cache_dtype == "fp8")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     tuner = None
@@ -60,7 +61,8 @@ def kernel_choice(config: EngineConfig, device: torch.device) -> KernelChoice:
 def load_model_and_cache(checkpoint: Checkpoint, config: EngineConfig) -> LoadedModel:
     device = torch.device(config.resolved_device())
     dtype = resolve_dtype(config, device)
-    kernels = kernel_choice(config, device)
+    quant = checkpoint.hf_config.get("quantization_config") or {}
+    kernels = kernel_choice(config, device, fp8_weights=quant.get("quant_method") == "fp8")
     try:
         model_cls = model_class_for(checkpoint.hf_config)
         with torch.device("meta"):
