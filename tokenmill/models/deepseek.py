@@ -22,8 +22,8 @@ from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
 _FP32_PARAMS = ("gate_weight", "e_score_correction_bias", "w_gate_up_scale", "w_down_scale")
 
 
-# The routed experts' weights, per-expert (released checkpoints) or fused (transformers' layout).
-_ROUTED_EXPERT_WEIGHT = re.compile(r"mlp\.experts\.(\d+\.(gate|up|down)_proj\.weight|gate_up_proj|down_proj)$")
+# The routed experts' weights in the released per-expert layout (the one fp8 checkpoints use).
+_ROUTED_EXPERT_WEIGHT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 
 class DeepseekLayer(nn.Module):
@@ -94,8 +94,6 @@ class DeepseekForCausalLM(DecoderLM):
             rows = inter // self.weight_block[0]  # whole blocks: fp8_experts requires it
             rows = slice(0, rows) if kind == "gate" else slice(rows, 2 * rows)
             return params[f"{prefix}.w_gate_up_scale"].data[expert, rows], f"{prefix}.w_gate_up_scale"
-        n = re.sub(r"mlp\.experts\.gate_up_proj_scale_inv$", "mlp.w_gate_up_scale", n)
-        n = re.sub(r"mlp\.experts\.down_proj_scale_inv$", "mlp.w_down_scale", n)
         n = re.sub(r"mlp\.experts\.gate_up_proj$", "mlp.w_gate_up", n)
         n = re.sub(r"mlp\.experts\.down_proj$", "mlp.w_down", n)
         n = re.sub(r"mlp\.gate\.weight$", "mlp.gate_weight", n)
