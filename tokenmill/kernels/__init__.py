@@ -1,5 +1,2 @@
-"""Kernels: for each op family, the PyTorch reference (the spec, and the CPU path) and the dispatch.
-
-Triton kernels for CUDA arrive beside their references; until one exists for an op, the dispatch runs the
-reference on every device.
-"""
+"""Kernels: for each op family, the PyTorch reference (the spec, and the CPU path) and the dispatch between it and
+the Triton kernel in ``kernels/triton/`` (picked per model by ``kernels/backend.py``: Triton on CUDA)."""
