@@ -65,3 +65,26 @@ def test_dispatch_runs_triton():
     args = (batch.q, batch.new_kv[:, :4], batch.new_kv[:, 4:], batch.data, batch.scales, batch.meta, 0.25)
     torch.testing.assert_close(paged_attention(*args, backend="triton"), paged_attention(*args, backend="torch"),
                                atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_batches_match_reference(seed):
+    """Random mixes of decodes and prefill chunks, head layouts, head sizes and block sizes (1 included)."""
+    from tokenmill.kernels.triton.paged_attention import paged_attention_triton
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+    hq, hkv = pick([(4, 4), (8, 2), (6, 1), (12, 4)])
+    d, block_size, kv_dtype = pick([16, 40, 64]), pick([1, 4, 8, 16]), pick(["fp8", "fp32", "fp16"])
+    shapes = [(int(torch.randint(0, 50, (1,), generator=gen)), pick([1, 1, 2, 7, 19, 32]))
+              for _ in range(int(torch.randint(1, 7, (1,), generator=gen)))]
+    q_dtype = torch.float16 if kv_dtype == "fp16" else torch.float32
+    batch = on_device(paged_batch(shapes, hq, hkv, d, kv_dtype, block_size, num_blocks=512, q_dtype=q_dtype,
+                                  seed=seed))
+    write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping, backend="triton")
+    args = (batch.q, batch.new_kv[:, :hkv], batch.new_kv[:, hkv:], batch.data, batch.scales, batch.meta, d ** -0.5)
+    got = paged_attention_triton(*args, num_splits=pick([1, 2, 5]))
+    tol = TOLERANCE[q_dtype]
+    torch.testing.assert_close(got, paged_attention(*args, backend="torch"), atol=tol, rtol=tol)

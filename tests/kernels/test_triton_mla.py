@@ -54,3 +54,24 @@ def test_mla_decode_matches_reference(kv_dtype, dtype, rank, rope, heads, num_sp
     assert not got.isnan().any()
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes_match_reference(seed):
+    from tokenmill.kernels.triton.mla import mla_decode_triton
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+    rank, rope, heads = pick([16, 48, 96, 512]), pick([8, 16, 64]), pick([1, 5, 16, 33])
+    block_size, kv_dtype = pick([1, 4, 16]), pick(["fp8", "fp32"])
+    lens = torch.randint(1, 90, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+    data, scales, tables = latent_cache(lens, rank, rope, kv_dtype, block_size, torch.float32, num_blocks=512,
+                                        seed=seed)
+    q_lat = (torch.randn(len(lens), heads, rank, generator=gen) * 0.2).to(DEVICE)
+    q_pe = torch.randn(len(lens), heads, rope, generator=gen).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    args = (q_lat, q_pe, data, scales, tables, seq_lens, block_size, 0.1)
+    got = mla_decode_triton(*args, num_splits=pick([1, 3]))
+    torch.testing.assert_close(got, mla_decode(*args, backend="torch"), atol=2e-5, rtol=2e-5)

@@ -124,3 +124,19 @@ def test_heuristic_covers_any_shape():
             assert cfg.block_k >= 16 and cfg.block_n >= 16 and cfg.block_m >= 16
             if block:
                 assert block[1] % cfg.block_k == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes_match_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+    experts = pick([1, 3, 8, 16])
+    top_k = int(torch.randint(1, min(experts, 4) + 1, (1,), generator=gen))
+    tokens, inter, hidden = pick([1, 2, 17, 64]), pick([8, 24, 64]), pick([16, 40, 72])
+    w_gate_up, w_down = moe_weights(experts, inter, hidden, torch.float32, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    weights, ids = routing(tokens, experts, top_k, gen)
+    torch.testing.assert_close(fused_moe(x, w_gate_up, w_down, weights, ids, backend="triton"),
+                               fused_moe(x, w_gate_up, w_down, weights, ids, backend="torch"), atol=1e-5, rtol=1e-5)
