@@ -7,6 +7,8 @@ Batches are compared under identical scheduling: batching changes float32 roundi
 tiny DeepSeek's router turns such 1e-7 differences into different experts now and then, so a served batch whose
 composition depends on arrival times is not a fair comparison; served requests are sent one at a time."""
 
+import json
+
 import pytest
 import torch
 
@@ -97,3 +99,18 @@ def test_fp8_checkpoint_runs_fp8_experts_on_triton(tmp_path, smollm_llm):
     kl = kl_per_position(ref.log_softmax(-1), ours.cpu().log_softmax(-1))
     print(f"fp8 experts (w8a8) vs dequantized weights: mean KL {kl.mean():.2e}, max {kl.max():.2e}")
     assert kl.mean() < 1e-3 and not torch.equal(ours.cpu(), ref)  # close, and really a different (fp8) path
+
+
+def test_autotune_mode_measures_moe_configs_once_and_keeps_them(tmp_path, smollm_llm):
+    path = tmp_path / "v3"
+    make_deepseek_checkpoint(path, smollm_llm, "v3-q-lora")
+    tuned = tmp_path / "tuned"
+    options = dict(ENGINE, kernel_backend="triton", kernel_tuning="autotune", kernel_cache_dir=str(tuned))
+    first = LLM(model=str(path), **options).generate(PROMPTS[:2], GREEDY)
+    table_file = next(tuned.glob("fused_moe-*.json"))
+    table = json.loads(table_file.read_text())
+    assert table and all(key.startswith("E=8,I=32,H=64,k=2,") for key in table)
+    stamp = table_file.stat().st_mtime_ns
+    again = LLM(model=str(path), **options).generate(PROMPTS[:2], GREEDY)  # a new engine: read, not measured
+    assert table_file.stat().st_mtime_ns == stamp and json.loads(table_file.read_text()) == table
+    assert [r.token_ids for r in again] == [r.token_ids for r in first]
