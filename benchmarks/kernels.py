@@ -6,7 +6,7 @@ compete with), the achieved TFLOP/s and GB/s of the Triton kernel, and their fra
 (``PEAKS``; "n/a" for a GPU not listed). Bytes count what the kernel must move at least (weights of the experts
 actually hit, the cache entries read, the activations); FLOPs count multiply-adds twice.
 
-    python benchmarks/kernels.py              # on a CUDA GPU; about 2-3 minutes on one H200
+    python benchmarks/kernels.py              # on a CUDA GPU (sized for < 5 min on one H200; not yet run on one)
     TRITON_INTERPRET=1 python benchmarks/kernels.py --smoke   # tiny shapes on CPU: proves the script runs
 """
 
@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels.backend import FP8_MIN_CAPABILITY
 from tokenmill.kernels.fp8 import quantize_fp8_blocks
 from tokenmill.kernels.fused_moe import Fp8BlockScales, fused_moe
 from tokenmill.kernels.kv_write import write_kv
@@ -98,6 +99,10 @@ class Table:
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in self.rows[1:]])
 
 
+def cache_name(fp8: bool, dtype) -> str:
+    return "fp8" if fp8 else str(dtype).removeprefix("torch.")
+
+
 def paged_layout(batch: int, context: int, block_size: int, device) -> tuple[torch.Tensor, int]:
     """Block tables of ``batch`` requests of ``context`` tokens over randomly permuted blocks; -> (tables, blocks)."""
     per_seq = -(-context // block_size)
@@ -105,22 +110,29 @@ def paged_layout(batch: int, context: int, block_size: int, device) -> tuple[tor
     return torch.randperm(num_blocks, device=device).view(batch, per_seq), num_blocks
 
 
-def bench_kv_write(table, time_fn, shape: Shape, slots: int, dim: int, batch: int, dtype, device):
+def cache_tensors(shape: tuple[int, ...], fp8: bool, dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A random paged cache ``data[shape]`` (+ per-slot scales for fp8) of the cache dtype under test."""
+    data = torch.randn(shape, device=device)
+    if not fp8:
+        return data.to(dtype), None
+    return data.to(torch.float8_e4m3fn), torch.rand(shape[:-1], device=device) * 0.01
+
+
+def bench_kv_write(table, time_fn, shape: Shape, slots: int, dim: int, batch: int, dtype, device, fp8: bool):
     num_blocks = -(-batch // 16) + 1
-    data = torch.zeros(num_blocks + 1, 16, slots, dim, dtype=torch.float8_e4m3fn, device=device)
-    scales = torch.zeros(num_blocks + 1, 16, slots, device=device)
+    data, scales = cache_tensors((num_blocks + 1, 16, slots, dim), fp8, dtype, device)
     new = torch.randn(batch, slots, dim, dtype=dtype, device=device)
     slot_mapping = torch.randperm(num_blocks * 16, device=device)[:batch]
     run = {b: (lambda b=b: write_kv(data, scales, new, slot_mapping, backend=b)) for b in ("triton", "torch")}
-    bytes_ = new.numel() * new.element_size() + new.numel() + batch * slots * 4
-    table.add("kv_write fp8", shape.name, batch, time_fn(run["triton"]), {"torch": time_fn(run["torch"])}, 0, bytes_)
+    bytes_ = new.numel() * new.element_size() + new.numel() * data.element_size() + batch * slots * 4 * fp8
+    table.add(f"kv_write {cache_name(fp8, dtype)}", shape.name, batch, time_fn(run["triton"]),
+              {"torch": time_fn(run["torch"])}, 0, bytes_)
 
 
-def bench_gqa_decode(table, time_fn, s: Shape, batch: int, context: int, dtype, device):
+def bench_gqa_decode(table, time_fn, s: Shape, batch: int, context: int, dtype, device, fp8: bool):
     block_size = 16
     tables, num_blocks = paged_layout(batch, context, block_size, device)
-    data = torch.randn(num_blocks + 1, block_size, 2 * s.kv_heads, s.head_dim, device=device).to(torch.float8_e4m3fn)
-    scales = torch.rand(num_blocks + 1, block_size, 2 * s.kv_heads, device=device) * 0.01
+    data, scales = cache_tensors((num_blocks + 1, block_size, 2 * s.kv_heads, s.head_dim), fp8, dtype, device)
     q = torch.randn(batch, s.q_heads, s.head_dim, dtype=dtype, device=device)
     meta = AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device),
                              query_start_loc=list(range(batch + 1)), seq_lens=[context] * batch,
@@ -133,17 +145,16 @@ def bench_gqa_decode(table, time_fn, s: Shape, batch: int, context: int, dtype, 
         return F.scaled_dot_product_attention(q[:, :, None], k_dense, v_dense, enable_gqa=True)
     run = {b: (lambda b=b: paged_attention(q, q, q, data, scales, meta, 0.125, backend=b)) for b in ("triton", "torch")}
     flops = 4 * batch * s.q_heads * context * s.head_dim
-    bytes_ = batch * context * 2 * s.kv_heads * (s.head_dim + 4)
-    table.add("paged decode fp8 (GQA)", s.name, batch, time_fn(run["triton"]),
+    bytes_ = batch * context * 2 * s.kv_heads * (s.head_dim * data.element_size() + 4 * fp8)
+    table.add(f"paged decode {cache_name(fp8, dtype)} (GQA)", s.name, batch, time_fn(run["triton"]),
               {"torch": time_fn(run["torch"]), "sdpa 16-bit": time_fn(sdpa)}, flops, bytes_)
 
 
-def bench_mla_decode(table, time_fn, s: Shape, batch: int, context: int, dtype, device):
+def bench_mla_decode(table, time_fn, s: Shape, batch: int, context: int, dtype, device, fp8: bool):
     block_size = 16
     tables, num_blocks = paged_layout(batch, context, block_size, device)
     width = s.rank + s.rope
-    data = torch.randn(num_blocks + 1, block_size, 1, width, device=device).to(torch.float8_e4m3fn)
-    scales = torch.rand(num_blocks + 1, block_size, 1, device=device) * 0.01
+    data, scales = cache_tensors((num_blocks + 1, block_size, 1, width), fp8, dtype, device)
     q_lat = torch.randn(batch, s.q_heads, s.rank, dtype=dtype, device=device)
     q_pe = torch.randn(batch, s.q_heads, s.rope, dtype=dtype, device=device)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -155,8 +166,8 @@ def bench_mla_decode(table, time_fn, s: Shape, batch: int, context: int, dtype, 
     run = {b: (lambda b=b: mla_decode(q_lat, q_pe, data, scales, tables, lens, block_size, 0.07, backend=b))
            for b in ("triton", "torch")}
     flops = 2 * batch * s.q_heads * context * (width + s.rank)
-    bytes_ = batch * context * (width + 4)
-    table.add("MLA decode fp8", s.name, batch, time_fn(run["triton"]),
+    bytes_ = batch * context * (width * data.element_size() + 4 * fp8)
+    table.add(f"MLA decode {cache_name(fp8, dtype)}", s.name, batch, time_fn(run["triton"]),
               {"torch": time_fn(run["torch"]), "sdpa 16-bit": time_fn(sdpa)}, flops, bytes_)
 
 
@@ -206,19 +217,23 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     peaks = next((p for key, p in PEAKS.items() if key in name), None)
     print(f"device: {name}; peak (bf16 TFLOP/s, fp8 TFLOP/s, TB/s): {peaks or 'n/a'}")
+    fp8 = device.type != "cuda" or torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
+    if not fp8:
+        print(f"no fp8 in Triton below compute capability 8.9: caches in {dtype}, fp8 MoE skipped")
     table, time_fn = Table(peaks), timer(device, args.reps)
     start = time.perf_counter()
     with torch.inference_mode():
         for batch in cfg["batches"]:
             s, v3 = cfg["smollm2"], cfg["v3"]
-            bench_kv_write(table, time_fn, s, 2 * s.kv_heads, s.head_dim, batch, dtype, device)
-            bench_kv_write(table, time_fn, v3, 1, v3.rank + v3.rope, batch, dtype, device)
-            bench_gqa_decode(table, time_fn, s, batch, cfg["context"], dtype, device)
-            bench_mla_decode(table, time_fn, v3, batch, cfg["context"], dtype, device)
+            bench_kv_write(table, time_fn, s, 2 * s.kv_heads, s.head_dim, batch, dtype, device, fp8)
+            bench_kv_write(table, time_fn, v3, 1, v3.rank + v3.rope, batch, dtype, device, fp8)
+            bench_gqa_decode(table, time_fn, s, batch, cfg["context"], dtype, device, fp8)
+            bench_mla_decode(table, time_fn, v3, batch, cfg["context"], dtype, device, fp8)
             for moe_shape in (v3, cfg["v2_lite"]):
                 if moe_shape is not None:
                     bench_fused_moe(table, time_fn, moe_shape, batch, dtype, device, fp8=False)
-            bench_fused_moe(table, time_fn, v3, batch, dtype, device, fp8=True)
+            if fp8:
+                bench_fused_moe(table, time_fn, v3, batch, dtype, device, fp8=True)
     print(f"\n{table.markdown()}\n\ntotal {time.perf_counter() - start:.0f} s")
     return 0
 
