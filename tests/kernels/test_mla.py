@@ -31,7 +31,8 @@ def test_absorbed_decode_equals_expanded_attention(kv_dtype):
         tables.append(blocks + [cache.null_block] * (3 - len(blocks)))
         latent = torch.cat([torch.randn(n, rank), torch.randn(n, rope) * 2], dim=-1)
         pos = torch.arange(n)
-        write_kv(data, scales, latent[:, None, :], torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size)
+        slots = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
+        write_kv(data, scales, latent[:, None, :], slots)
         if kv_dtype == "fp8":
             latent = dequantize(*quantize_fp8(latent), torch.float32)
         c, k_pe = latent[:, :rank], latent[:, rank:]

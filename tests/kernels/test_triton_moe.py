@@ -83,15 +83,22 @@ def test_per_token_group_quant_matches_reference_bit_for_bit():
     assert torch.equal(q_got.view(torch.uint8), q_want.view(torch.uint8)) and torch.equal(s_got, s_want)
 
 
+TUNER_CANDIDATES = [(16, 32, 32, 1, 4, 3), (32, 16, 16, 8, 4, 3)]
+
+
+def tiny_moe_problem(tokens: int = 9):
+    gen = torch.Generator().manual_seed(0)
+    w_gate_up, w_down = moe_weights(4, 32, 32, torch.float32, gen)
+    x = torch.randn(tokens, 32, generator=gen).to(DEVICE)
+    weights, ids = routing(tokens, 4, 2, gen)
+    return x, w_gate_up, w_down, weights, ids
+
+
 def test_tuner_measures_once_and_reuses_the_config_from_disk(tmp_path):
     from tokenmill.kernels.triton.fused_moe import fused_moe_triton
     from tokenmill.kernels.triton.moe_config import MoEConfig, MoETuner
 
-    gen = torch.Generator().manual_seed(0)
-    w_gate_up, w_down = moe_weights(4, 32, 32, torch.float32, gen)
-    x = torch.randn(9, 32, generator=gen).to(DEVICE)
-    weights, ids = routing(9, 4, 2, gen)
-    candidates = [MoEConfig(16, 32, 32, 1, 4, 3), MoEConfig(32, 16, 16, 8, 4, 3)]
+    candidates = [MoEConfig(*c) for c in TUNER_CANDIDATES]
     calls = []
 
     def timer(fn):  # the second candidate is "faster"; the kernel really runs under each one
@@ -99,18 +106,44 @@ def test_tuner_measures_once_and_reuses_the_config_from_disk(tmp_path):
         calls.append(1)
         return 2.0 - len(calls)
 
-    first = MoETuner(tmp_path, timer=timer, candidates=lambda shape: candidates)
-    out = fused_moe_triton(x, w_gate_up, w_down, weights, ids, tuner=first)
+    problem = tiny_moe_problem()
+    out = fused_moe_triton(*problem, tuner=MoETuner(tmp_path, timer=timer, candidates=lambda shape: candidates))
     assert len(calls) == 2
     saved = json.loads(next(tmp_path.glob("fused_moe-*.json")).read_text())
-    assert list(saved.values()) == [{**candidates[1].__dict__}]
+    assert list(saved.values()) == [candidates[1].__dict__]
     again = MoETuner(tmp_path, timer=timer, candidates=lambda shape: candidates)  # a new process, same disk
-    out_again = fused_moe_triton(torch.cat([x, x[:3]]), w_gate_up, w_down, torch.cat([weights, weights[:3]]),
-                                 torch.cat([ids, ids[:3]]), tuner=again)  # 12 tokens: same bucket (<= 16)
+    out_again = fused_moe_triton(*tiny_moe_problem(tokens=12), tuner=again)  # 12 tokens: same bucket (<= 16)
     assert len(calls) == 2
-    want = fused_moe(x, w_gate_up, w_down, weights, ids, backend="torch")
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out_again[:9], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, fused_moe(*problem, backend="torch"), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_again, fused_moe(*tiny_moe_problem(tokens=12), backend="torch"), atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_tuner_skips_configs_that_do_not_fit_the_gpu(tmp_path):
+    from triton.runtime.errors import OutOfResources
+
+    from tokenmill.kernels.triton.fused_moe import fused_moe_triton
+    from tokenmill.kernels.triton.moe_config import MoEConfig, MoETuner
+
+    candidates = [MoEConfig(*c) for c in TUNER_CANDIDATES]
+    seen = []
+
+    def first_does_not_fit(fn):  # as a launch needing more shared memory than the GPU has
+        seen.append(1)
+        if len(seen) == 1:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        fn()
+        return 5.0
+
+    def none_fits(fn):
+        raise OutOfResources(300_000, 232_448, "shared memory")
+
+    tuner = MoETuner(tmp_path / "skip", timer=first_does_not_fit, candidates=lambda shape: candidates)
+    fused_moe_triton(*tiny_moe_problem(), tuner=tuner)
+    assert list(json.loads(next((tmp_path / "skip").glob("*.json")).read_text()).values()) == [candidates[1].__dict__]
+    with pytest.raises(RuntimeError, match="no fused MoE launch config fits"):
+        fused_moe_triton(*tiny_moe_problem(),
+                         tuner=MoETuner(tmp_path / "none", timer=none_fits, candidates=lambda shape: candidates))
 
 
 def test_heuristic_covers_any_shape():

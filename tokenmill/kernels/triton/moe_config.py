@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,14 @@ class MoETuner:
         timer = self.timer or (_time_cuda if device.type == "cuda" else _time_host)
         candidates = self.candidates(shape)
         log.info("tuning fused MoE for %s: %d candidate configs", shape.key(), len(candidates))
-        timings = [(timer(lambda c=c: run(c)), c) for c in candidates]
+        timings = []
+        for candidate in candidates:
+            try:
+                timings.append((timer(lambda c=candidate: run(c)), candidate))
+            except OutOfResources as exc:  # too much shared memory / registers on this GPU: not a candidate here
+                log.info("fused MoE config %s does not fit this GPU: %s", candidate, exc)
+        if not timings:
+            raise RuntimeError(f"no fused MoE launch config fits this GPU for {shape.key()}")
         best_ms, best = min(timings, key=lambda t: t[0])
         log.info("fused MoE %s: %s (%.3f ms)", shape.key(), best, best_ms)
         table[shape.key()] = asdict(best)
