@@ -33,6 +33,26 @@ from tokenmill.kernels.triton.split_kv import (decode_num_splits, merge_splits, 
 
 
 @triton.jit
+def _attend_cached_tile(q, data_ptr, scale_ptr, block_table_row_ptr, pos, valid, kvh, offs_d, d_mask, m_i, l_i, acc,
+                        sm_scale, BLOCK_SIZE: tl.constexpr, HKV: tl.constexpr, DIM: tl.constexpr,
+                        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, F32: tl.constexpr):
+    """One online-softmax step of queries q [BLOCK_Q, BLOCK_D] over the cached positions ``pos`` (``valid`` ones)
+    of KV head ``kvh`` of one request -> (m_i, l_i, acc). fp8: K's scale multiplies the scores, V's the weights."""
+    row = paged_slots(block_table_row_ptr, pos, valid, BLOCK_SIZE) * (2 * HKV)  # slot-row 0 of each token
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(data_ptr + (row + kvh)[:, None] * DIM + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(data_ptr + (row + HKV + kvh)[:, None] * DIM + offs_d[None, :], mask=kv_mask, other=0.0)
+    s = dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_Q, BLOCK_N], tl.float32), F32) * sm_scale
+    if FP8:
+        s = s * tl.load(scale_ptr + row + kvh, mask=valid, other=0.0)[None, :]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    p, m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc)
+    if FP8:
+        p = p * tl.load(scale_ptr + row + HKV + kvh, mask=valid, other=0.0)[None, :]
+    return m_i, l_i, dot(p.to(q.dtype), v.to(q.dtype), acc, F32)
+
+
+@triton.jit
 def _decode_split_kernel(
         q_ptr, data_ptr, scale_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, sm_scale,
         stride_qb, stride_qh, stride_bt, BLOCK_SIZE: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
@@ -58,18 +78,9 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < end
-        row = paged_slots(bt_ptr + b * stride_bt, pos, valid, BLOCK_SIZE) * (2 * HKV)  # slot-row 0 of each token
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(data_ptr + (row + kvh)[:, None] * DIM + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(data_ptr + (row + HKV + kvh)[:, None] * DIM + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), F32) * sm_scale
-        if FP8:
-            s = s * tl.load(scale_ptr + row + kvh, mask=valid, other=0.0)[None, :]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        p, m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc)
-        if FP8:
-            p = p * tl.load(scale_ptr + row + HKV + kvh, mask=valid, other=0.0)[None, :]
-        acc = dot(p.to(q.dtype), v.to(q.dtype), acc, F32)
+        m_i, l_i, acc = _attend_cached_tile(q, data_ptr, scale_ptr, bt_ptr + b * stride_bt, pos, valid, kvh, offs_d,
+                                            d_mask, m_i, l_i, acc, sm_scale, BLOCK_SIZE, HKV, DIM, BLOCK_G, BLOCK_N,
+                                            FP8, F32)
 
     out_rows = (b * HKV * GROUP + heads) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS] row index
     store_split(o_ptr, lse_ptr, out_rows, acc, m_i, l_i, start >= end, g_mask, offs_d, d_mask, DIM)
@@ -124,19 +135,9 @@ def _prefill_kernel(
     # Stage 1: the cached prefix, from the paged cache.
     for n0 in range(0, prefix_len, BLOCK_N):
         pos = n0 + offs_n
-        valid = pos < prefix_len
-        row = paged_slots(bt_ptr + req * stride_bt, pos, valid, BLOCK_SIZE) * (2 * HKV)
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(data_ptr + (row + kvh)[:, None] * DIM + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(data_ptr + (row + HKV + kvh)[:, None] * DIM + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = dot(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), F32) * sm_scale
-        if FP8:
-            s = s * tl.load(scale_ptr + row + kvh, mask=valid, other=0.0)[None, :]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        p, m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc)
-        if FP8:
-            p = p * tl.load(scale_ptr + row + HKV + kvh, mask=valid, other=0.0)[None, :]
-        acc = dot(p.to(q.dtype), v.to(q.dtype), acc, F32)
+        m_i, l_i, acc = _attend_cached_tile(q, data_ptr, scale_ptr, bt_ptr + req * stride_bt, pos, pos < prefix_len,
+                                            kvh, offs_d, d_mask, m_i, l_i, acc, sm_scale, BLOCK_SIZE, HKV, DIM,
+                                            BLOCK_M, BLOCK_N, FP8, F32)
 
     # Stage 2: the chunk's own tokens, unquantized, causal. Query i sees own tokens 0..i.
     own_end = tl.minimum(q_len, m_start + BLOCK_M)
