@@ -48,6 +48,10 @@ class AttentionMetadata:
                 decode_block_tables=self.block_tables[self.decode_indices])
         return self._tensors
 
+    def decode_max_len(self) -> int:
+        """The longest sequence among the decodes (host side; sizes the split-KV grid)."""
+        return self.derived("decode_max_len", lambda: max(self.seq_lens[i] for i in self.decode_indices))
+
     def derived(self, key, build):
         """``build()`` once per step for ``key``, shared by every layer (e.g. a kernel's work list)."""
         if key not in self._derived:

@@ -190,7 +190,7 @@ def paged_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Te
         idx = meta.decode_indices
         tensors = meta.device_tensors(q.device)
         hkv = data.shape[-2] // 2
-        splits = num_splits or decode_num_splits(len(idx) * hkv, max(meta.seq_lens[i] for i in idx), q.device)
+        splits = num_splits or decode_num_splits(len(idx) * hkv, meta.decode_max_len(), q.device)
         out[tensors.decode_rows] = paged_decode_triton(q[tensors.decode_rows], data, scales,
                                                        tensors.decode_block_tables, tensors.decode_seq_lens,
                                                        meta.block_size, sm_scale, splits)

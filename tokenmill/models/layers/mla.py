@@ -91,7 +91,7 @@ class MLAttention(nn.Module):
         tensors = meta.device_tensors(q_nope.device)
         o_lat = mla_decode(q_lat, q_pe, data, scales, tensors.decode_block_tables, tensors.decode_seq_lens,
                            meta.block_size, self.sm_scale, backend=self.kernels.backend,
-                           max_len=max(meta.seq_lens[i] for i in meta.decode_indices))
+                           max_len=meta.decode_max_len())
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
     def _prefill(self, q_nope, q_pe, own_latent, data, scales, meta: AttentionMetadata, i: int) -> torch.Tensor:
