@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import hf_greedy
-from tests.helpers import kl_per_position, teacher_forced_logits
+from tests.helpers import fp8_kv_kl, teacher_forced_logits
 from tokenmill import LLM, SamplingParams
 from tokenmill.kvcache.cache import KVCache
 from tests.tiny_checkpoints import CONFIGS, make_deepseek_checkpoint, write_fp8_copies
@@ -63,11 +63,7 @@ def test_fp8_latent_cache_kl_below_threshold(tiny):
     _, _, _, llm = tiny
     model = llm.engine.runner.model
     ids = torch.randint(0, 1000, (64,)).tolist()
-    logp = {}
-    for dtype in ("fp32", "fp8"):
-        cache = KVCache(model.kv_cache_spec(dtype, 4), num_blocks=20, device="cpu")
-        logp[dtype] = teacher_forced_logits(model, cache, ids, chunk=1).log_softmax(-1)
-    kl = kl_per_position(logp["fp32"], logp["fp8"])
+    kl = fp8_kv_kl(model, ids, block_size=4, num_blocks=20)
     print(f"MLA fp8 latent vs fp32: mean KL {kl.mean():.6f}")
     assert 0 < kl.mean() < 0.02
 
