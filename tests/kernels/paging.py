@@ -70,3 +70,8 @@ def paged_batch(shapes: list[tuple[int, int]], hq: int, hkv: int, d: int, kv_dty
         decode_indices=[i for i, (_, new) in enumerate(shapes) if new == 1],
         prefill_indices=[i for i, (_, new) in enumerate(shapes) if new > 1])
     return PagedBatch(data, scales, meta, torch.cat(qs), new_kv, full_k, full_v)
+
+
+def picker(gen: torch.Generator):
+    """pick(options) -> one of them, drawn with ``gen`` (random-shape tests stay reproducible per seed)."""
+    return lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]

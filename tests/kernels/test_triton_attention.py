@@ -5,7 +5,7 @@ caches, and split-KV decode with the log-sum-exp merge."""
 import pytest
 import torch
 
-from tests.kernels.paging import paged_batch
+from tests.kernels.paging import paged_batch, picker
 from tests.kernels.triton_device import DEVICE
 from tokenmill.kernels.kv_write import write_kv
 from tokenmill.kernels.paged_attention import paged_attention
@@ -73,9 +73,7 @@ def test_random_batches_match_reference(seed):
     from tokenmill.kernels.triton.paged_attention import paged_attention_triton
 
     gen = torch.Generator().manual_seed(seed)
-
-    def pick(options):
-        return options[int(torch.randint(len(options), (1,), generator=gen))]
+    pick = picker(gen)
     hq, hkv = pick([(4, 4), (8, 2), (6, 1), (12, 4)])
     d, block_size, kv_dtype = pick([16, 40, 64]), pick([1, 4, 8, 16]), pick(["fp8", "fp32", "fp16"])
     shapes = [(int(torch.randint(0, 50, (1,), generator=gen)), pick([1, 1, 2, 7, 19, 32]))

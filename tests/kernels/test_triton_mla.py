@@ -6,7 +6,7 @@ split-KV decode with the log-sum-exp merge."""
 import pytest
 import torch
 
-from tests.kernels.paging import block_tables, fill_pool_with_nan
+from tests.kernels.paging import block_tables, fill_pool_with_nan, picker
 from tests.kernels.triton_device import DEVICE
 from tokenmill.kernels.kv_write import write_kv
 from tokenmill.kernels.mla import mla_decode
@@ -61,9 +61,7 @@ def test_random_shapes_match_reference(seed):
     from tokenmill.kernels.triton.mla import mla_decode_triton
 
     gen = torch.Generator().manual_seed(seed)
-
-    def pick(options):
-        return options[int(torch.randint(len(options), (1,), generator=gen))]
+    pick = picker(gen)
     rank, rope, heads = pick([16, 48, 96, 512]), pick([8, 16, 64]), pick([1, 5, 16, 33])
     block_size, kv_dtype = pick([1, 4, 16]), pick(["fp8", "fp32"])
     lens = torch.randint(1, 90, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from tests.kernels.paging import picker
 from tests.kernels.triton_device import DEVICE
 from tokenmill.kernels.fp8 import per_token_group_quant_fp8, quantize_fp8_blocks
 from tokenmill.kernels.fused_moe import Fp8BlockScales, align_routing, fused_moe
@@ -162,9 +163,7 @@ def test_heuristic_covers_any_shape():
 @pytest.mark.parametrize("seed", range(6))
 def test_random_shapes_match_reference(seed):
     gen = torch.Generator().manual_seed(seed)
-
-    def pick(options):
-        return options[int(torch.randint(len(options), (1,), generator=gen))]
+    pick = picker(gen)
     experts = pick([1, 3, 8, 16])
     top_k = int(torch.randint(1, min(experts, 4) + 1, (1,), generator=gen))
     tokens, inter, hidden = pick([1, 2, 17, 64]), pick([8, 24, 64]), pick([16, 40, 72])
