@@ -59,12 +59,18 @@ def test_paged_attention_matches_reference(kv_dtype, q_dtype, block_size, num_sp
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
-def test_dispatch_runs_triton():
+def test_dispatch_runs_triton(monkeypatch):
+    import tokenmill.kernels.triton.paged_attention as triton_attention
+
+    calls = []
+    real = triton_attention.paged_attention_triton
+    monkeypatch.setattr(triton_attention, "paged_attention_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     batch = on_device(paged_batch(SHAPES[:3], 4, 4, 16, "fp8", block_size=4))
     write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping, backend="triton")
     args = (batch.q, batch.new_kv[:, :4], batch.new_kv[:, 4:], batch.data, batch.scales, batch.meta, 0.25)
-    torch.testing.assert_close(paged_attention(*args, backend="triton"), paged_attention(*args, backend="torch"),
-                               atol=2e-5, rtol=2e-5)
+    got = paged_attention(*args, backend="triton")
+    assert calls == [1]  # the dispatch really took the Triton path
+    torch.testing.assert_close(got, paged_attention(*args, backend="torch"), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -35,11 +35,33 @@ def tiny_model(request, tmp_path_factory, smollm_llm):
     return path, LLM(model=str(path), kernel_backend="torch", **ENGINE)
 
 
-def test_engine_batch_on_triton_matches_torch(tiny_model):
+def count_triton_calls(monkeypatch) -> dict[str, int]:
+    """Count the calls into each Triton entry point (the dispatch imports them from their modules at call time)."""
+    import tokenmill.kernels.triton.fused_moe as moe
+    import tokenmill.kernels.triton.kv_write as kv_write
+    import tokenmill.kernels.triton.mla as mla
+    import tokenmill.kernels.triton.paged_attention as attention
+
+    calls: dict[str, int] = {}
+    for module, name in ((kv_write, "write_kv_triton"), (attention, "paged_attention_triton"),
+                         (mla, "mla_decode_triton"), (moe, "fused_moe_triton")):
+        def counted(*args, _real=getattr(module, name), _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_engine_batch_on_triton_matches_torch(tiny_model, monkeypatch):
     path, reference = tiny_model
+    want = [r.token_ids for r in reference.generate(PROMPTS, GREEDY)]
+    calls = count_triton_calls(monkeypatch)
     triton_llm = LLM(model=str(path), kernel_backend="triton", **ENGINE)
     got = [r.token_ids for r in triton_llm.generate(PROMPTS, GREEDY)]
-    assert got == [r.token_ids for r in reference.generate(PROMPTS, GREEDY)]
+    assert got == want
+    expected = {"write_kv_triton"} | ({"mla_decode_triton", "fused_moe_triton"} if "deepseek" in path.name
+                                      else {"paged_attention_triton"})
+    assert set(calls) == expected  # every layer kind really ran its Triton kernel
 
 
 def test_served_on_triton_matches_torch(tmp_path, tiny_model):
