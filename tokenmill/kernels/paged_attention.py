@@ -17,10 +17,10 @@ NaN included) never reach a result.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tokenmill.kernels.kv_write import FP8_TO_FP16_FACTOR, fp8_bits_as_fp16
 from tokenmill.kernels.metadata import AttentionMetadata
+from tokenmill.kernels.sdpa import prefix_causal_attention
 
 
 def token_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, block_size: int,
@@ -70,7 +70,6 @@ def _decode_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor 
 def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
                        scales: torch.Tensor | None, prefix_slots: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """q, k_new, v_new [L, H, D]: a chunk's own tokens, after the cached prefix at ``prefix_slots`` [P]."""
-    q_len, hq, _ = q.shape
     k, v = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [Hkv, L, D]
     prefix_len = prefix_slots.shape[0]
     if prefix_len:
@@ -78,14 +77,7 @@ def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
         if scale is not None:
             k_old, v_old = k_old * scale[0].unsqueeze(-1).to(q.dtype), v_old * scale[1].unsqueeze(-1).to(q.dtype)
         k, v = torch.cat([k_old, k], dim=1), torch.cat([v_old, v], dim=1)
-    mask = None
-    if prefix_len:
-        seq_len = prefix_len + q_len
-        query_pos = torch.arange(prefix_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, is_causal=mask is None,
-                                         scale=sm_scale, enable_gqa=hq != k.shape[0])
-    return out.transpose(0, 1)
+    return prefix_causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), sm_scale)
 
 
 def paged_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,

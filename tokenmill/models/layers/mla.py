@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.backend import KernelChoice
@@ -23,6 +22,7 @@ from tokenmill.kernels.kv_write import dequantize, write_kv
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kernels.mla import mla_decode
 from tokenmill.kernels.paged_attention import token_slots
+from tokenmill.kernels.sdpa import prefix_causal_attention
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, yarn_mscale
 
@@ -109,12 +109,4 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(c_kv).view(-1, self.heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)  # [N, H, qk]
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        mask = None
-        if prefix_len:
-            seq_len = prefix_len + q_len
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(prefix_len, seq_len,
-                                                                                  device=q.device)[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask, is_causal=mask is None, scale=self.sm_scale)
-        return out.transpose(0, 1)
+        return prefix_causal_attention(torch.cat([q_nope, q_pe], dim=-1), k, v, self.sm_scale)

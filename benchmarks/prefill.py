@@ -1,0 +1,89 @@
+"""Time to first token of one long prompt on the offline engine, and where the prefill's time goes.
+
+    python benchmarks/prefill.py [--prompt-len 2000] [--repeats 3] [--out benchmarks/results/prefill.json]
+
+For each SDPA backend setting (``fused``: what the engine picks; ``math``: SDPA forced onto its unfused fallback,
+i.e. what tokenmill ran before the fix) it times ``repeats`` prefills of a random prompt of exactly
+``--prompt-len`` tokens (one output token, so the time is the prefill plus one sample) on the default model, in one
+run, alternating the settings, then takes one torch profile per setting: the seconds in attention kernels and in
+matrix products. Writes JSON (the raw timings and profile totals) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+from tokenmill import LLM, SamplingParams
+
+SETTINGS = {"fused": None, "math": [SDPBackend.MATH]}
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math")
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear")
+
+
+def _prefill(llm: LLM, prompt: list[int], setting: str) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    backends = SETTINGS[setting]
+    start = time.perf_counter()
+    if backends is None:
+        llm.generate([prompt], params)
+    else:
+        with sdpa_kernel(backends):
+            llm.generate([prompt], params)
+    return time.perf_counter() - start
+
+
+def _profile(llm: LLM, prompt: list[int], setting: str) -> dict[str, float]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        total = _prefill(llm, prompt, setting)
+    own = {name: 0.0 for name in ATTENTION_OPS + GEMM_OPS}
+    for event in prof.key_averages():
+        if event.key in own:
+            own[event.key] = event.cpu_time_total / 1e6  # inclusive: a GEMM inside math attention counts there too
+    attention = sum(own[n] for n in ATTENTION_OPS)
+    gemm = sum(own[n] for n in ("aten::linear",)) or sum(own[n] for n in ("aten::mm", "aten::addmm"))
+    return {"profiled_seconds": total, "attention_seconds": attention, "linear_seconds": gemm, "ops": own}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-len", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results/prefill.json")
+    args = parser.parse_args(argv)
+
+    llm = LLM(max_model_len=max(2048, args.prompt_len + 8))
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, llm.tokenizer.vocab_size, (args.repeats + 2, args.prompt_len), generator=gen).tolist()
+    _prefill(llm, prompts[-1][:64], "fused")  # warm-up
+    times: dict[str, list[float]] = {s: [] for s in SETTINGS}
+    for i in range(args.repeats):
+        for setting in SETTINGS:
+            times[setting].append(_prefill(llm, prompts[i], setting))
+    profiles = {s: _profile(llm, prompts[-2], s) for s in SETTINGS}
+    result = {
+        "command": "python benchmarks/prefill.py " + " ".join(argv or []),
+        "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
+        "seconds": times, "median_seconds": {s: statistics.median(t) for s, t in times.items()},
+        "profiles": profiles,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    for setting in SETTINGS:
+        p = profiles[setting]
+        print(f"{setting:>6}: prefill {result['median_seconds'][setting]:.2f} s (median of {args.repeats}); profile: "
+              f"attention {p['attention_seconds']:.2f} s, linear layers {p['linear_seconds']:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
