@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/prefill.json")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
 
     llm = LLM(max_model_len=max(2048, args.prompt_len + 8))
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             times[setting].append(_prefill(llm, prompts[i], setting))
     profiles = {s: _profile(llm, prompts[-2], s) for s in SETTINGS}
     result = {
-        "command": "python benchmarks/prefill.py " + " ".join(argv or []),
+        "command": " ".join(["python benchmarks/prefill.py", *argv]),
+        "dtype": str(llm.engine.runner.model.embed_tokens.weight.dtype),
         "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
         "seconds": times, "median_seconds": {s: statistics.median(t) for s, t in times.items()},
