@@ -4,32 +4,32 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.engine.input_batch import InputBatch
 from tokenmill.kvcache.cache import KVCache
-from tokenmill.kvcache.manager import KVCacheManager
-from tokenmill.models.runner import ModelRunner
 from tokenmill.sampling.params import SamplingParams
-from tokenmill.scheduler.request import Request
-from tokenmill.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+from tokenmill.scheduler.output import NewRequestData, RunningRequestData
 
 
 @torch.inference_mode()
 def teacher_forced_logits(model: torch.nn.Module, kv_cache: KVCache, token_ids: list[int],
                           chunk: int | None = None) -> torch.Tensor:
-    """Logits [len(token_ids), vocab] of a request fed through the runner and the paged cache ``chunk`` tokens
-    per step (None: the whole prompt in one step; 1: every position is a decode reading the cache)."""
-    kv = KVCacheManager(kv_cache.num_blocks, kv_cache.spec.block_size)
-    request = Request("probe", list(token_ids), SamplingParams(max_tokens=1), max_tokens=1)
-    assert kv.allocate_slots(request, len(token_ids))
-    # Scatter the request over the pool's far end so block ids are not simply 0, 1, 2...
-    request.block_ids = [kv_cache.num_blocks - 1 - b for b in request.block_ids]
-    runner = ModelRunner(model, kv_cache, "cpu")
+    """Logits [len(token_ids), vocab] of a request fed through the runner's persistent batch and the paged cache
+    ``chunk`` tokens per step (None: the whole prompt in one step; 1: every position is a decode reading the cache)."""
+    block_size = kv_cache.spec.block_size
+    num_blocks = -(-len(token_ids) // block_size)
+    assert num_blocks <= kv_cache.num_blocks
+    # Blocks from the pool's far end, so block ids are not simply 0, 1, 2...
+    blocks = [kv_cache.num_blocks - 1 - b for b in range(num_blocks)]
+    batch = InputBatch(1, len(token_ids) + 1, block_size, kv_cache.null_block, model.config.vocab_size, (), "cpu")
+    batch.add(NewRequestData("probe", list(token_ids), len(token_ids), SamplingParams(), blocks, 0))
     chunk = chunk or len(token_ids)
-    logits = []
-    while request.num_computed_tokens < len(token_ids):
-        step = ScheduledChunk.next_for(request, min(chunk, len(token_ids) - request.num_computed_tokens))
-        ids, positions, meta, _ = runner.prepare(SchedulerOutput([step]))
-        logits.append(model.compute_logits(model(ids, positions, meta, kv_cache)))
-        request.num_computed_tokens += step.num_tokens
+    logits, done = [], 0
+    while done < len(token_ids):
+        n = min(chunk, len(token_ids) - done)
+        inputs = batch.prepare({"probe": n})
+        logits.append(model.compute_logits(model(inputs.input_ids, inputs.positions, inputs.attention, kv_cache)))
+        done += n
+        batch.update(RunningRequestData("probe", [], done))
     return torch.cat(logits)
 
 

@@ -24,7 +24,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
 
 # Fields only `tokenmill serve` uses; the other commands take the rest.
 SERVER_FIELDS = frozenset({"host", "port", "served_model_name", "api_key", "api_key_file", "auth_all_endpoints",
-                           "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json"})
+                           "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json", "engine_process"})
 
 
 class ConfigError(ValueError):
@@ -84,6 +84,8 @@ class EngineConfig(BaseSettings):
         2.0, gt=0, description="admit while promised tokens (prompt + max_tokens of live requests) <= this x "
                                "KV cache tokens; beyond it requests get 429")
     log_json: bool = Field(False, description="one JSON object per log line")
+    engine_process: bool = Field(True, description="run the engine core in its own process (--no-engine-process: "
+                                                   "on a thread of the API process, one GIL for both)")
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from tokenmill.config import load_config
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.messages import EngineRequest, validate_request
 from tokenmill.sampling.params import SamplingParams
-from tokenmill.scheduler.engine import LLMEngine
 
 
 @dataclass
@@ -50,9 +53,20 @@ Prompt = str | list[int]
 
 
 class LLM:
+    """The engine core in the caller's thread: no server, no second process."""
+
     def __init__(self, model: str | None = None, config_file: str | None = None, **config: Any):
-        self.engine = LLMEngine(load_config(config_file, model=model, **config))
+        self.engine = EngineCore(load_config(config_file, model=model, **config))
         self.tokenizer = self.engine.tokenizer
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+                    ) -> str:
+        """Validate and queue one request (ValueError naming the problem); step ``self.engine`` to run it."""
+        max_tokens = validate_request(self.engine.info, prompt_token_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        self.engine.add_request(EngineRequest(request_id, list(prompt_token_ids), params, max_tokens,
+                                              time.monotonic()))
+        return request_id
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
                  ) -> list[GenerationResult]:
@@ -65,13 +79,13 @@ class LLM:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             result = GenerationResult(prompt if isinstance(prompt, str) else None, ids, [])
             for index in range(params.n):
-                request = self.engine.add_request(ids, _choice_params(params, index))
+                request_id = self.add_request(ids, _choice_params(params, index))
                 completion = Completion(index, logprobs=[] if params.logprobs is not None else None)
                 result.outputs.append(completion)
-                pending[request.request_id] = completion
+                pending[request_id] = completion
             results.append(result)
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            for out in self.engine.step().outputs:
                 completion = pending[out.request_id]
                 completion.text += out.delta_text
                 completion.token_ids.extend(out.new_token_ids)

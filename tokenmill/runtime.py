@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
 
 log = logging.getLogger(__name__)
@@ -33,3 +34,20 @@ def keep_freed_memory_in_heap() -> bool:
     if not ok:
         log.debug("mallopt refused the allocator settings")
     return ok
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_memory_bytes() -> int:
+    """This process's resident set size now (Linux /proc; elsewhere the peak from getrusage, or 0)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * _PAGE_SIZE
+    except OSError:
+        try:
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        except (ImportError, OSError):
+            return 0

@@ -23,7 +23,9 @@ def quantiles(metric: str) -> list[tuple[str, str]]:
 # (title, unit, description, [(legend, PromQL)])
 PANELS = [
     ("Time to first token", "s", "First token sent - request arrival.", quantiles("time_to_first_token_seconds")),
-    ("Inter-token latency (TPOT)", "s", "Time between consecutive tokens of a request.",
+    ("Time per output token (TPOT)", "s", "Per request: (last token - first token) / (output tokens - 1).",
+     quantiles("time_per_output_token_seconds")),
+    ("Inter-token latency", "s", "Time between consecutive tokens of a request.",
      quantiles("inter_token_latency_seconds")),
     ("End-to-end request latency", "s", "Last token sent - request arrival.",
      quantiles("e2e_request_latency_seconds")),
@@ -51,8 +53,9 @@ PANELS = [
     ("Cost per million output tokens", "currencyUSD",
      "node_hourly_cost / (3600 x generated tokens per second) x 1e6; empty while nothing is generated.",
      [("cost", f"$node_hourly_cost * 1e6 / (3600 * (sum(rate(tokenmill:generation_tokens_total{SEL}{RATE})) > 0))")]),
-    ("Process resident memory", "bytes", "Resident set size of the tokenmill process.",
-     [("{{instance}}", 'process_resident_memory_bytes{job="tokenmill"}')]),
+    ("Process resident memory", "bytes", "Resident set size of the API process and of the engine process.",
+     [("API {{instance}}", 'process_resident_memory_bytes{job="tokenmill"}'),
+      ("engine {{instance}}", f"tokenmill:engine_process_resident_memory_bytes{SEL}")]),
 ]
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

@@ -46,7 +46,7 @@ def test_parameter_count_matches_transformers(name):
 def test_matches_the_engine_allocation(smollm_llm):
     engine = smollm_llm.engine
     spec = kv_spec(PRESETS["smollm2-135m"], "fp32")
-    assert spec.bytes_per_token == engine.kv_bytes_per_token
+    assert spec.bytes_per_token == engine.info.kv_bytes_per_token
     cache = engine.runner.kv_cache
     # The engine's real tensors: every block (and the null block) holds block_size tokens at bytes_per_token.
     assert cache.nbytes == (cache.num_blocks + 1) * spec.block_size * spec.bytes_per_token

@@ -88,7 +88,7 @@ def test_dashboard_json_is_generated_from_build_dashboard(tmp_path):
     assert (tmp_path / "tokenmill.json").read_text() == text, "run deploy/grafana/build_dashboard.py"
     dashboard = json.loads(text)
     titles = {p["title"] for p in dashboard["panels"]}
-    for wanted in ("Time to first token", "Inter-token latency (TPOT)", "End-to-end request latency", "Queue time",
+    for wanted in ("Time to first token", "Time per output token (TPOT)", "Inter-token latency", "End-to-end request latency", "Queue time",
                    "Requests running / waiting", "KV cache usage", "Admission saturation", "Rejected requests",
                    "Tokens per second", "Preemptions", "Aborted requests", "Tokens per API key",
                    "Cost per million output tokens"):

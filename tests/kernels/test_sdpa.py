@@ -8,6 +8,7 @@ from torch.profiler import ProfilerActivity, profile
 from tests.helpers import teacher_forced_logits
 from tokenmill.kernels.sdpa import prefix_causal_attention
 from tokenmill.kvcache.cache import KVCache
+from tokenmill.models.config import ModelConfig
 from tokenmill.models.deepseek import DeepseekForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 
@@ -39,7 +40,7 @@ def test_matches_dense_attention(prefix, heads, kv_heads, dim, v_dim):
 
 def _random_model(cls, config):
     torch.manual_seed(0)
-    model = cls(config)
+    model = cls(ModelConfig.from_hf(config))
     for name, p in model.named_parameters():
         p.data.normal_(0, 0.08) if "norm" not in name else p.data.fill_(1.0)
     if getattr(model, "e_score_correction_bias", None) is not None:

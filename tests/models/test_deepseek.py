@@ -56,7 +56,7 @@ def test_greedy_batch_with_chunked_prefill_matches(tiny):
 def test_cache_holds_only_the_latent(tiny):
     _, _, _, llm = tiny
     c = llm.engine.runner.model.config
-    assert llm.engine.kv_bytes_per_token == c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 4
+    assert llm.engine.info.kv_bytes_per_token == c.num_layers * (c.mla.kv_lora_rank + c.mla.qk_rope_head_dim) * 4
 
 
 def test_fp8_latent_cache_kl_below_threshold(tiny):
@@ -70,6 +70,7 @@ def test_fp8_latent_cache_kl_below_threshold(tiny):
 
 def test_real_deepseek_v3_config_kv_bytes():
     from tokenmill.bench.plan import PRESETS, mha_equivalent_bytes_per_token
+    from tokenmill.models.config import ModelConfig
     from tokenmill.models.deepseek import DeepseekForCausalLM
 
     config = {**PRESETS["deepseek-v3"], "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
@@ -77,7 +78,7 @@ def test_real_deepseek_v3_config_kv_bytes():
                                "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
               "rope_theta": 10000, "max_position_embeddings": 4096}
     with torch.device("meta"):
-        model = DeepseekForCausalLM(config)
+        model = DeepseekForCausalLM(ModelConfig.from_hf(config))
     fp8, bf16 = model.kv_cache_spec("fp8", 64), model.kv_cache_spec("bf16", 64)
     assert bf16.bytes_per_token == (512 + 64) * 61 * 2
     assert fp8.bytes_per_token == (512 + 64) * 61 * 1 + 61 * 4  # + one float32 scale per token and layer

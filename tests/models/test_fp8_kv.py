@@ -19,8 +19,8 @@ def test_fp8_kv_kl_per_position_below_threshold(smollm_llm):
 
 
 def test_reported_kv_bytes_per_token(smollm_llm):
-    a = smollm_llm.engine.runner.model.args
-    assert smollm_llm.engine.kv_bytes_per_token == 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4  # fp32
+    a = smollm_llm.engine.runner.model.config
+    assert smollm_llm.engine.info.kv_bytes_per_token == 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4  # fp32
     fp8 = smollm_llm.engine.runner.model.kv_cache_spec("fp8", 16)
     # SmolLM2: 30 layers, 3 KV heads of 64 dims; fp8 adds one float32 scale per (token, head) for K and for V.
     assert fp8.bytes_per_token == 2 * 30 * 3 * 64 * 1 + 2 * 30 * 3 * 4

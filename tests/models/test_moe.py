@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tokenmill.kernels.fused_moe import fused_moe_reference
+from tokenmill.models.config import ModelConfig
 from tokenmill.models.layers.moe import MoE
 
 COMMON = dict(hidden_size=32, moe_intermediate_size=16, intermediate_size=64, n_routed_experts=8,
@@ -33,7 +34,7 @@ def hf_moe(version: str, **overrides):
 
 def ours_from(config, module) -> MoE:
     hf_cfg = {**config.to_dict(), "architectures": [type(config).__name__.replace("Config", "ForCausalLM")]}
-    moe = MoE(config.hidden_size, hf_cfg)
+    moe = MoE(config.hidden_size, ModelConfig.from_hf(hf_cfg).moe)
     with torch.no_grad():
         moe.gate_weight.copy_(module.gate.weight)
         if moe.e_score_correction_bias is not None:

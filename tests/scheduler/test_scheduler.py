@@ -23,18 +23,47 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, seed: int = 0) -> R
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens=max_tokens)
 
 
+class FakeRunner:
+    """A runner that knows only what SchedulerOutput tells it (the real runner's contract): it keeps each request's
+    tokens, blocks and computed count from the diffs, samples with fake_next_token, and drops dropped rows."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.rows: dict[str, dict] = {}
+
+    def execute(self, out) -> dict[str, int]:
+        for rid in out.finished_ids + out.preempted_ids:
+            self.rows.pop(rid, None)
+        for new in out.new_requests:
+            assert new.request_id not in self.rows
+            self.rows[new.request_id] = {"tokens": list(new.token_ids), "blocks": list(new.block_ids),
+                                         "computed": new.num_computed_tokens}
+        for diff in out.running:
+            row = self.rows[diff.request_id]
+            row["blocks"] += diff.new_block_ids
+            row["computed"] = diff.num_computed_tokens
+        sampled = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            row = self.rows[rid]
+            assert len(row["blocks"]) * self.block_size >= row["computed"] + n  # the chunk has KV blocks
+            if row["computed"] + n == len(row["tokens"]):
+                sampled[rid] = fake_next_token(row["tokens"])
+                row["tokens"].append(sampled[rid])
+        return sampled
+
+
 def run_step(sched: Scheduler, budget_seen: list[int] | None = None):
+    runner = sched.__dict__.setdefault("_fake_runner", FakeRunner(sched.kv.block_size))
     out = sched.schedule()
-    assert out.num_batched_tokens <= sched.max_num_batched_tokens
+    assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
     assert len(sched.running) <= sched.max_num_seqs
     if budget_seen is not None:
-        budget_seen.append(out.num_batched_tokens)
-    for chunk in out.chunks:
-        req = chunk.request
-        # The runner's view: the chunk's tokens must have KV blocks.
-        assert len(req.block_ids) * sched.kv.block_size >= chunk.start + chunk.num_tokens
-        assert chunk.start == req.num_computed_tokens
-    sampled = {c.request.request_id: fake_next_token(c.request.all_token_ids) for c in out.chunks if c.samples}
+        budget_seen.append(out.total_num_scheduled_tokens)
+    sampled = runner.execute(out)
+    for rid in out.num_scheduled_tokens:  # the runner's view equals the scheduler's
+        req, row = sched.requests[rid], runner.rows[rid]
+        assert (row["blocks"], row["computed"]) == (req.block_ids, req.num_computed_tokens)
+        assert row["tokens"][:req.num_tokens] == req.all_token_ids
     finished = sched.update(out, sampled)
     sched.kv.pool.check_integrity()
     return out, finished
@@ -49,6 +78,14 @@ def drain(sched: Scheduler, max_steps: int = 10_000):
     raise AssertionError("scheduler did not finish")
 
 
+def run_step_sampled(sched: Scheduler):
+    """run_step, returning the tokens sampled in the step instead of the finished requests."""
+    before = {rid: r.num_output_tokens for rid, r in sched.requests.items()}
+    out, _ = run_step(sched)
+    reqs = {**{r.request_id: r for r in sched.running}, **{r.request_id: r for r in sched.waiting}}
+    return out, {rid: r.output_token_ids[-1] for rid, r in reqs.items() if r.num_output_tokens > before.get(rid, 0)}
+
+
 def expected_output(req: Request) -> list[int]:
     tokens = list(req.prompt_token_ids)
     for _ in range(req.max_tokens):
@@ -60,12 +97,12 @@ def test_chunked_prefill_respects_budget_and_finishes():
     sched = Scheduler(KVCacheManager(num_blocks=64, block_size=4), max_num_seqs=8, max_num_batched_tokens=16)
     req = make_request("a", prompt_len=40, max_tokens=5)
     sched.add_request(req)
-    out, _ = run_step(sched)
-    assert [(c.start, c.num_tokens, c.samples) for c in out.chunks] == [(0, 16, False)]
-    out, _ = run_step(sched)
-    assert [(c.start, c.num_tokens) for c in out.chunks] == [(16, 16)]
-    out, _ = run_step(sched)
-    assert [(c.start, c.num_tokens, c.samples) for c in out.chunks] == [(32, 8, True)]
+    out, sampled = run_step_sampled(sched)
+    assert (out.new_requests[0].num_computed_tokens, out.num_scheduled_tokens, sampled) == (0, {"a": 16}, {})
+    out, sampled = run_step_sampled(sched)
+    assert (out.running[0].num_computed_tokens, out.num_scheduled_tokens, sampled) == (16, {"a": 16}, {})
+    out, sampled = run_step_sampled(sched)
+    assert (out.running[0].num_computed_tokens, out.num_scheduled_tokens) == (32, {"a": 8}) and "a" in sampled
     drain(sched)
     assert req.status == RequestStatus.FINISHED_LENGTH
     assert req.output_token_ids == expected_output(req)
@@ -80,7 +117,7 @@ def test_running_requests_go_first_then_waiting_fill_budget():
     sched.add_request(b)
     out, _ = run_step(sched)
     # a decodes one token first, then b's prefill takes the remaining 9 of the budget -> chunk of 8.
-    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 8)]
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 8)]
 
 
 def test_max_num_seqs_bounds_running():
@@ -89,7 +126,7 @@ def test_max_num_seqs_bounds_running():
     for r in reqs:
         sched.add_request(r)
     out, _ = run_step(sched)
-    assert len(out.chunks) == 3
+    assert len(out.num_scheduled_tokens) == 3
     drain(sched)
     assert all(r.output_token_ids == expected_output(r) for r in reqs)
 
@@ -101,7 +138,7 @@ def test_preemption_recomputes_and_gives_identical_outputs():
     for r in reqs:
         sched.add_request(r)
     outs = drain(sched)
-    assert sum(len(o.preempted) for o in outs) >= 1
+    assert sum(len(o.preempted_ids) for o in outs) >= 1
     assert sched.num_preemptions_total >= 1
     for r in reqs:
         assert r.status == RequestStatus.FINISHED_LENGTH
@@ -118,9 +155,9 @@ def test_preempted_request_returns_to_front_of_waiting():
     sched.add_request(c)
     for _ in range(3):
         out, _ = run_step(sched)
-        if out.preempted:
+        if out.preempted_ids:
             break
-    assert out.preempted == [b]
+    assert out.preempted_ids == ["b"]
     assert list(sched.waiting)[:2] == [b, c]
     assert b.num_computed_tokens == 0 and b.block_ids == []
 
@@ -165,3 +202,28 @@ def test_random_workload_integrity_and_outputs():
         if r.request_id not in aborted:
             assert r.output_token_ids == expected_output(r), r.request_id
     assert sched.kv.pool.num_free_blocks == 20
+
+
+def test_output_is_plain_data_the_runner_can_copy():
+    """No Request object (the scheduler's mutable state) crosses to the runner: every field is ids, ints, lists,
+    dicts or the request's SamplingParams, and a deep copy of it equals it."""
+    import copy
+    import dataclasses
+
+    sched = Scheduler(KVCacheManager(num_blocks=12, block_size=4), max_num_seqs=8, max_num_batched_tokens=16)
+    for r in [make_request(str(i), 10, 12, seed=i) for i in range(6)]:
+        sched.add_request(r)
+
+    def plain(value) -> bool:
+        if isinstance(value, (str, int, float, bool, type(None), SamplingParams)):
+            return True
+        if isinstance(value, (list, tuple)):
+            return all(plain(v) for v in value)
+        if isinstance(value, dict):
+            return all(plain(k) and plain(v) for k, v in value.items())
+        if dataclasses.is_dataclass(value):
+            return all(plain(getattr(value, f.name)) for f in dataclasses.fields(value))
+        return False
+
+    for out in drain(sched):
+        assert plain(out) and copy.deepcopy(out) == out

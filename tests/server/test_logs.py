@@ -1,7 +1,7 @@
 import json
 import logging
 
-from tokenmill.server.logs import JsonFormatter, TextFormatter
+from tokenmill.logs import JsonFormatter, TextFormatter
 
 
 def _record(fields):

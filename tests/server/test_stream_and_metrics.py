@@ -4,6 +4,7 @@ import json
 import time
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.live_server import ALICE_KEY, API_KEY, MODEL
@@ -113,3 +114,21 @@ def test_disconnect_non_stream_aborts(fp32_server):
         time.sleep(0.1)
     assert sample_value(samples["tokenmill:requests_aborted"], "tokenmill:requests_aborted_total") == before + 1
     assert sample_value(samples["tokenmill:kv_cache_usage_perc"], "tokenmill:kv_cache_usage_perc") == 0.0
+
+
+def test_tpot_histogram_is_the_mean_inter_token_latency_per_request(fp32_server):
+    def totals():
+        samples = metric_samples(fp32_server)
+        return {name: (sample_value(samples[name], name + "_sum", model_name=MODEL),
+                       sample_value(samples[name], name + "_count", model_name=MODEL))
+                for name in ("tokenmill:time_per_output_token_seconds", "tokenmill:inter_token_latency_seconds")}
+
+    before = totals()
+    httpx.post(fp32_server.base_url + "/completions", headers=HEADERS, json={
+        "model": MODEL, "prompt": "Hello", "max_tokens": 12, "ignore_eos": True, "stream": True}).raise_for_status()
+    after = totals()
+    (tpot_sum, tpot_count), (itl_sum, itl_count) = (
+        tuple(a - b for a, b in zip(after[name], before[name])) for name in after)
+    # One request of 12 tokens: one TPOT observation = (last - first) / 11 = the mean of its 11 inter-token gaps.
+    assert (tpot_count, itl_count) == (1, 11)
+    assert tpot_sum == pytest.approx(itl_sum / 11, rel=1e-6)

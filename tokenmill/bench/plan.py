@@ -15,6 +15,7 @@ from typing import Any
 
 from tokenmill.config import parse_byte_size
 from tokenmill.kvcache.spec import ELEMENT_BYTES, KVCacheSpec
+from tokenmill.models.config import ModelConfig
 
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 GiB = 2**30
@@ -33,71 +34,60 @@ PRESETS: dict[str, dict[str, Any]] = {
                          "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
                          "num_attention_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
                          "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-                         "n_routed_experts": 64, "n_shared_experts": 2, "first_k_dense_replace": 1,
-                         "moe_layer_freq": 1, "tie_word_embeddings": False},
+                         "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+                         "first_k_dense_replace": 1, "moe_layer_freq": 1, "tie_word_embeddings": False},
     "deepseek-v3": {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168,
                     "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
                     "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
                     "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1,
-                    "first_k_dense_replace": 3, "moe_layer_freq": 1, "tie_word_embeddings": False},
+                    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+                    "tie_word_embeddings": False},
 }
 
 
-def is_mla(c: dict[str, Any]) -> bool:
-    return c.get("kv_lora_rank") is not None
+def model_config(c: dict[str, Any] | ModelConfig) -> ModelConfig:
+    return c if isinstance(c, ModelConfig) else ModelConfig.from_hf(c)
 
 
-def kv_spec(c: dict[str, Any], dtype: str, block_size: int = 16) -> KVCacheSpec:
-    """The engine's cache layout for this config: MLA keeps one latent slot, GQA/MHA 2 x KV heads."""
-    layers = c["num_hidden_layers"]
-    if is_mla(c):
-        return KVCacheSpec(layers, 1, c["kv_lora_rank"] + c["qk_rope_head_dim"], dtype, block_size)
-    heads = c["num_attention_heads"]
-    head_dim = c.get("head_dim") or c["hidden_size"] // heads
-    return KVCacheSpec.for_gqa(layers, c.get("num_key_value_heads") or heads, head_dim, dtype, block_size)
+def kv_spec(c: dict[str, Any] | ModelConfig, dtype: str, block_size: int = 16) -> KVCacheSpec:
+    """The engine's own cache layout for this config: MLA keeps one latent slot, GQA/MHA 2 x KV heads."""
+    return model_config(c).kv_cache_spec(dtype, block_size)
 
 
-def mha_equivalent_bytes_per_token(c: dict[str, Any], dtype: str) -> int:
+def mha_equivalent_bytes_per_token(c: dict[str, Any] | ModelConfig, dtype: str) -> int:
     """K and V for every query head, as an engine that expands MLA's latent would store them."""
-    heads, layers = c["num_attention_heads"], c["num_hidden_layers"]
-    if is_mla(c):
-        k_dim, v_dim = c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"]
-    else:
-        k_dim = v_dim = c.get("head_dim") or c["hidden_size"] // heads
-    return layers * heads * (k_dim + v_dim) * ELEMENT_BYTES[dtype]
+    m = model_config(c)
+    v_dim = m.mla.v_head_dim if m.mla else m.head_dim
+    return m.num_layers * m.num_heads * (m.head_dim + v_dim) * ELEMENT_BYTES[dtype]
 
 
-def attention_kind(c: dict[str, Any]) -> str:
-    if is_mla(c):
-        return "MLA"
-    heads = c["num_attention_heads"]
-    return "MHA" if (c.get("num_key_value_heads") or heads) == heads else "GQA"
+def attention_kind(c: dict[str, Any] | ModelConfig) -> str:
+    return model_config(c).attention_kind
 
 
-def num_parameters(c: dict[str, Any]) -> int:
-    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
-    heads = c["num_attention_heads"]
-    total = vocab * h * (1 if c.get("tie_word_embeddings") else 2) + h  # embeddings, head, final norm
-    for layer in range(layers):
-        if is_mla(c):
-            qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
-            q_lora = c.get("q_lora_rank")
-            attn = (h * q_lora + q_lora + q_lora * heads * qk) if q_lora else h * heads * qk
-            attn += h * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) + c["kv_lora_rank"]
-            attn += c["kv_lora_rank"] * heads * (c["qk_nope_head_dim"] + c["v_head_dim"])
-            attn += heads * c["v_head_dim"] * h
+def _attention_parameters(m: ModelConfig) -> int:
+    h, heads = m.hidden_size, m.num_heads
+    if not m.mla:
+        return h * m.head_dim * (2 * heads + 2 * m.num_kv_heads)
+    a = m.mla
+    q_lora = a.q_lora_rank
+    attn = (h * q_lora + q_lora + q_lora * heads * m.head_dim) if q_lora else h * heads * m.head_dim
+    attn += h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+    attn += a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)
+    return attn + heads * a.v_head_dim * h
+
+
+def num_parameters(c: dict[str, Any] | ModelConfig) -> int:
+    m = model_config(c)
+    h = m.hidden_size
+    total = m.vocab_size * h * (1 if m.tie_word_embeddings else 2) + h  # embeddings, head, final norm
+    for layer in range(m.num_layers):
+        if m.moe and m.moe.is_moe_layer(layer):
+            experts = m.moe.num_experts + m.moe.num_shared_experts
+            mlp = experts * 3 * h * m.moe.intermediate_size + m.moe.num_experts * h
         else:
-            head_dim = c.get("head_dim") or h // heads
-            kv_heads = c.get("num_key_value_heads") or heads
-            attn = h * head_dim * (2 * heads + 2 * kv_heads)
-        moe = c.get("n_routed_experts") and layer >= c.get("first_k_dense_replace", 0) \
-            and layer % c.get("moe_layer_freq", 1) == 0
-        if moe:
-            experts = c["n_routed_experts"] + c.get("n_shared_experts", 0)
-            mlp = experts * 3 * h * c["moe_intermediate_size"] + c["n_routed_experts"] * h
-        else:
-            mlp = 3 * h * c["intermediate_size"]
-        total += attn + mlp + 2 * h
+            mlp = 3 * h * m.intermediate_size
+        total += _attention_parameters(m) + mlp + 2 * h
     return total
 
 

@@ -1,7 +1,7 @@
 """What every decoder model shares: the layer loop, the logits, the move to a device, the weight check.
 
-A model subclass builds ``embed_tokens``, ``layers`` (each called as ``layer(x, positions, meta, cache)``),
-``norm``, ``lm_head`` and ``rotary``, and provides ``kv_cache_spec`` and ``load_weights``.
+A model subclass keeps its ``config`` (models/config.py), builds ``embed_tokens``, ``layers`` (each called as
+``layer(x, positions, meta, cache)``), ``norm``, ``lm_head`` and ``rotary``, and provides ``load_weights``.
 """
 
 from __future__ import annotations
@@ -12,12 +12,22 @@ from torch import nn
 from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kvcache.cache import KVCache
+from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
+from tokenmill.models.config import ModelConfig
 from tokenmill.models.layers.logits import logits_with_exact_top
 
 
 class DecoderLM(nn.Module):
     # Parameter-name suffixes kept in float32 whatever the compute dtype.
     fp32_params: tuple[str, ...] = ()
+    config: ModelConfig
+
+    @property
+    def max_position(self) -> int:
+        return self.config.max_position
+
+    def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int) -> KVCacheSpec:
+        return self.config.kv_cache_spec(dtype, block_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:

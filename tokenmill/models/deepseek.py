@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
 
 from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.fp8 import dequantize_fp8_blocks
-from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
 from tokenmill.models.base import DecoderLM
+from tokenmill.models.config import ModelConfig
 from tokenmill.models.layers.mla import MLAttention
 from tokenmill.models.layers.mlp import SwiGLU
 from tokenmill.models.layers.moe import MoE
 from tokenmill.models.layers.norm import RMSNorm
-from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
+from tokenmill.models.layers.rotary import RotaryEmbedding
 
 # Kept float32 whatever the compute dtype: the router decides in float32, as DeepSeek's code does; fp8 scales.
 _FP32_PARAMS = ("gate_weight", "e_score_correction_bias", "w_gate_up_scale", "w_down_scale")
@@ -27,17 +27,13 @@ _ROUTED_EXPERT_WEIGHT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.wei
 
 
 class DeepseekLayer(nn.Module):
-    def __init__(self, c: dict[str, Any], index: int, rotary: RotaryEmbedding, interleaved: bool,
-                 fp8_block: tuple[int, int] | None):
+    def __init__(self, c: ModelConfig, index: int, rotary: RotaryEmbedding, fp8_block: tuple[int, int] | None):
         super().__init__()
-        eps = c.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(c["hidden_size"], eps)
-        self.self_attn = MLAttention(c, rotary, interleaved)
-        self.post_attention_layernorm = RMSNorm(c["hidden_size"], eps)
-        # DeepSeek's rule (transformers drops the frequency, which every released config sets to 1).
-        moe = (c.get("n_routed_experts") and index >= c.get("first_k_dense_replace", 0)
-               and index % c.get("moe_layer_freq", 1) == 0)
-        self.mlp = MoE(c["hidden_size"], c, fp8_block) if moe else SwiGLU(c["hidden_size"], c["intermediate_size"])
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = MLAttention(c, rotary)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        moe = c.moe is not None and c.moe.is_moe_layer(index)
+        self.mlp = MoE(c.hidden_size, c.moe, fp8_block) if moe else SwiGLU(c.hidden_size, c.intermediate_size)
 
     def forward(self, x, positions, meta, cache):
         x = x + self.self_attn(self.input_layernorm(x), positions, meta, cache)
@@ -47,40 +43,29 @@ class DeepseekLayer(nn.Module):
 class DeepseekForCausalLM(DecoderLM):
     fp32_params = _FP32_PARAMS
 
-    def __init__(self, hf_config: dict[str, Any], kernels: KernelChoice = KernelChoice()):
+    def __init__(self, config: ModelConfig, kernels: KernelChoice = KernelChoice()):
         super().__init__()
-        c = self.config = hf_config
-        quant = c.get("quantization_config") or {}
-        if quant and quant.get("quant_method") != "fp8":
-            raise ValueError(f"quantization {quant.get('quant_method')!r} is not supported (only fp8 blocks)")
-        self.weight_block = tuple(quant.get("weight_block_size") or (128, 128))
+        c = self.config = config
+        self.weight_block = c.fp8_weight_block or (128, 128)
         # fp8 checkpoints keep their routed experts fp8 where fp8 GEMMs exist (the Triton fused MoE), with
         # activations quantized per token group as DeepSeek's own inference does; elsewhere they are dequantized at
         # load. The fused gate/up scale grid needs the gate/up boundary on a block edge.
-        self.fp8_experts = bool(quant) and kernels.backend == "triton" and \
-            c.get("moe_intermediate_size", 0) % self.weight_block[0] == 0
+        self.fp8_experts = c.fp8_weight_block is not None and kernels.backend == "triton" and c.moe is not None \
+            and c.moe.intermediate_size % self.weight_block[0] == 0
         fp8_block = self.weight_block if self.fp8_experts else None
-        self.max_position = c.get("max_position_embeddings", 4096)
-        interleaved = c.get("rope_interleave", True)  # V2 always rotates interleaved pairs; V3 says so
-        self.rotary = RotaryEmbedding(c["qk_rope_head_dim"], self.max_position, rope_parameters(c))
-        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.layers = nn.ModuleList(DeepseekLayer(c, i, self.rotary, interleaved, fp8_block)
-                                    for i in range(c["num_hidden_layers"]))
-        self.norm = RMSNorm(c["hidden_size"], c.get("rms_norm_eps", 1e-6))
-        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
+        self.rotary = RotaryEmbedding(c.mla.qk_rope_head_dim, c.max_position, c.rope)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DeepseekLayer(c, i, self.rotary, fp8_block) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.requires_grad_(False)
         self.use_kernels(kernels)
-
-    def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int) -> KVCacheSpec:
-        """One slot per token and layer: the latent and the roped key part, nothing per head."""
-        c = self.config
-        return KVCacheSpec(c["num_hidden_layers"], 1, c["kv_lora_rank"] + c["qk_rope_head_dim"], dtype, block_size)
 
     # --- weights
     def _target(self, name: str, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor, str]:
         """HF name -> (destination view, canonical parameter name). Handles dense, per-expert and fused layouts."""
         n = name.removeprefix("model.")
-        inter = self.config.get("moe_intermediate_size", 0)
+        inter = self.config.moe.intermediate_size if self.config.moe else 0
         if m := re.fullmatch(r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight", n):
             prefix, expert, kind = m.group(1), int(m.group(2)), m.group(3)
             if kind == "down":
@@ -134,7 +119,7 @@ class DeepseekForCausalLM(DecoderLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
-        layers = self.config["num_hidden_layers"]
+        layers = self.config.num_layers
         for name, tensor in self._dequantized(weights):
             if (m := re.search(r"layers\.(\d+)\.", name)) and int(m.group(1)) >= layers:
                 continue  # multi-token-prediction layers: not used for decoding
@@ -143,4 +128,4 @@ class DeepseekForCausalLM(DecoderLM):
                 raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
             dst.copy_(tensor)
             filled[canonical] = filled.get(canonical, 0) + tensor.numel()
-        self.finish_loading(filled, bool(self.config.get("tie_word_embeddings")))
+        self.finish_loading(filled, self.config.tie_word_embeddings)

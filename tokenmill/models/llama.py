@@ -2,56 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
 
-from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
 from tokenmill.kernels.backend import KernelChoice
 from tokenmill.models.base import DecoderLM
+from tokenmill.models.config import ModelConfig
 from tokenmill.models.layers.attention import PagedGQAttention
 from tokenmill.models.layers.mlp import SwiGLU
 from tokenmill.models.layers.norm import RMSNorm
-from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
-
-
-@dataclass
-class LlamaArgs:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    rope: dict[str, Any]
-
-    @classmethod
-    def from_hf(cls, c: dict[str, Any]) -> "LlamaArgs":
-        heads = c["num_attention_heads"]
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (only silu)")
-        return cls(
-            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6), max_position=c.get("max_position_embeddings", 2048),
-            tie_word_embeddings=c.get("tie_word_embeddings", False),
-            # Qwen2 has q/k/v biases without saying so in its config.
-            attention_bias=c.get("attention_bias", False) or "Qwen2ForCausalLM" in c.get("architectures", []),
-            rope=rope_parameters(c),
-        )
+from tokenmill.models.layers.rotary import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding):
+    def __init__(self, a: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = PagedGQAttention(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
@@ -65,9 +31,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(DecoderLM):
-    def __init__(self, hf_config: dict[str, Any], kernels: KernelChoice = KernelChoice()):
+    def __init__(self, config: ModelConfig, kernels: KernelChoice = KernelChoice()):
         super().__init__()
-        a = self.args = LlamaArgs.from_hf(hf_config)
+        a = self.config = config
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope)
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(a, self.rotary) for _ in range(a.num_layers))
@@ -76,18 +42,10 @@ class LlamaForCausalLM(DecoderLM):
         self.requires_grad_(False)
         self.use_kernels(kernels)
 
-    @property
-    def max_position(self) -> int:
-        return self.args.max_position
-
-    def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int) -> KVCacheSpec:
-        a = self.args
-        return KVCacheSpec.for_gqa(a.num_layers, a.num_kv_heads, a.head_dim, dtype, block_size)
-
     # --- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be filled exactly once."""
-        a = self.args
+        a = self.config
         params = dict(self.named_parameters())
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", a.num_heads * a.head_dim),
                  "v_proj": ("qkv_proj", (a.num_heads + a.num_kv_heads) * a.head_dim),

@@ -31,6 +31,8 @@ class Checkpoint:
     name: str  # what /v1/models calls it
     hf_config: dict[str, Any]
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    # generation_config.json (HF directories), which may list more EOS ids than config.json.
+    generation_config: dict[str, Any]
     # Where the tokenizer lives: a directory, plus the GGUF file name inside it when it comes from GGUF.
     tokenizer_dir: Path
     tokenizer_gguf_file: str | None = None
@@ -85,7 +87,13 @@ def _open_hf_dir(path: Path) -> Checkpoint:
             except Exception as exc:  # safetensors raises its own error types for corrupt files
                 raise ModelLoadError(f"cannot read weights from {file}: {exc}") from None
 
-    return Checkpoint(path, path.name, hf_config, weights, tokenizer_dir=path)
+    generation_config = {}
+    if (path / "generation_config.json").is_file():
+        try:
+            generation_config = json.loads((path / "generation_config.json").read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path / 'generation_config.json'} is not valid JSON: {exc}") from None
+    return Checkpoint(path, path.name, hf_config, weights, generation_config, tokenizer_dir=path)
 
 
 # --- GGUF file
@@ -127,7 +135,9 @@ def _gguf_config(reader: Any, path: Path) -> dict[str, Any]:
         "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
         "attention_bias": any(t.name.endswith("attn_q.bias") for t in reader.tensors),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        # End of sequence and, where the file names it, end of turn: both end generation.
+        "eos_token_id": [i for i in (_field(reader, "tokenizer.ggml.eos_token_id"),
+                                     _field(reader, "tokenizer.ggml.eot_token_id")) if i is not None],
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
     }
     scaling = _field(reader, f"{arch}.rope.scaling.type")
@@ -176,4 +186,4 @@ def _open_gguf(path: Path, name: str) -> Checkpoint:
                 array = unpermute_rotary_rows(array, permute_heads[part])
             yield hf_name_for_gguf(tensor.name), torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
 
-    return Checkpoint(path, name, config, weights, tokenizer_dir=path.parent, tokenizer_gguf_file=path.name)
+    return Checkpoint(path, name, config, weights, {}, tokenizer_dir=path.parent, tokenizer_gguf_file=path.name)

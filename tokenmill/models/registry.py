@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
+from tokenmill.models.config import ModelConfig
 from tokenmill.models.deepseek import DeepseekForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 
@@ -18,9 +17,7 @@ _MODELS: dict[str, type[nn.Module]] = {
 }
 
 
-def model_class_for(hf_config: dict[str, Any]) -> type[nn.Module]:
-    for arch in hf_config.get("architectures") or []:
-        if arch in _MODELS:
-            return _MODELS[arch]
-    raise ValueError(f"unsupported architecture {hf_config.get('architectures')!r} "
-                     f"(supported: {', '.join(sorted(_MODELS))})")
+def model_class_for(config: ModelConfig) -> type[nn.Module]:
+    if config.architecture in _MODELS:
+        return _MODELS[config.architecture]
+    raise ValueError(f"unsupported architecture {config.architecture!r} (supported: {', '.join(sorted(_MODELS))})")

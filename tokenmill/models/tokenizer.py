@@ -19,16 +19,9 @@ class Tokenizer:
             self.hf = AutoTokenizer.from_pretrained(str(checkpoint.tokenizer_dir), **kwargs)
         except Exception as exc:  # transformers raises many kinds for a missing/broken tokenizer
             raise ModelLoadError(f"cannot load a tokenizer from {checkpoint.path}: {exc}") from None
-        eos = checkpoint.hf_config.get("eos_token_id")
-        eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        if self.hf.eos_token_id is not None:
-            eos_ids.append(self.hf.eos_token_id)
-        self.eos_token_ids: list[int] = list(dict.fromkeys(eos_ids))
+        # The tokenizer's own EOS; the model's full list is ModelConfig.eos_token_ids (this one included).
+        self.eos_token_id: int | None = self.hf.eos_token_id
         self.vocab_size = len(self.hf)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from tokenmill.sampling.params import SamplingParams
 
@@ -33,7 +32,8 @@ class Request:
     sampling_params: SamplingParams
     # Largest number of output tokens, after capping by the model length.
     max_tokens: int
-    eos_token_id: int | None = None
+    # Every id that ends generation (the model's EOS ids), unless sampling_params.ignore_eos.
+    eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING
@@ -47,10 +47,6 @@ class Request:
     num_preemptions: int = 0
     # What stopped the request: a token id, a stop string, or None (EOS, length, abort).
     stop_reason: int | str | None = None
-    # Per output token: (sampled token's logprob, [(token id, logprob)] top candidates), when asked.
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    # Sampler state that must survive across steps (the seeded RNG). Opaque to the scheduler.
-    sampler_state: Any = None
 
     # Timing marks (time.monotonic()).
     first_scheduled_time: float | None = None
@@ -85,7 +81,7 @@ class Request:
         params = self.sampling_params
         last = self.output_token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last == self.eos_token_id:
+            if not params.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if last in params.stop_token_ids:
                 self.stop_reason = last

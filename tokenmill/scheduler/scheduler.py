@@ -6,47 +6,20 @@ step's token budget is spent. A prompt longer than the remaining budget gets a c
 decode is a chunk of one. When the KV pool cannot cover a running request's chunk, the most recently admitted
 running request is preempted: its blocks are freed and it goes to the front of the waiting queue, to be
 recomputed from its prompt and the outputs it already has.
+
+The runner hears of all this only through ``SchedulerOutput`` (scheduler/output.py): a request enters its batch
+when admitted, sends block diffs while it runs, and leaves when it finishes, is aborted or is preempted.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenmill.kvcache.manager import KVCacheManager
+from tokenmill.scheduler.output import NewRequestData, RunningRequestData, SchedulerOutput
 from tokenmill.scheduler.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledChunk:
-    request: Request
-    # Tokens all_token_ids[start : start + num_tokens] are computed this step.
-    start: int
-    num_tokens: int
-    # True when this chunk reaches the last known token, so the step samples the next one.
-    samples: bool
-
-    @classmethod
-    def next_for(cls, request: Request, num_tokens: int) -> "ScheduledChunk":
-        start = request.num_computed_tokens
-        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
-
-
-@dataclass
-class SchedulerOutput:
-    """The only contract between the scheduler and the model runner."""
-
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 @dataclass
@@ -66,6 +39,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        self._finished_ids: list[str] = []  # finished or aborted since the last schedule(): the runner drops them
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -77,7 +51,8 @@ class Scheduler:
         return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.max_num_batched_tokens
         now = time.monotonic()
 
@@ -85,14 +60,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            known_blocks = len(request.block_ids)
             if not self._make_room(request, n, out):
                 break  # `request` itself was preempted; every request after it too.
-            out.chunks.append(ScheduledChunk.next_for(request, n))
+            out.running.append(RunningRequestData(request.request_id, request.block_ids[known_blocks:],
+                                                  request.num_computed_tokens))
+            out.num_scheduled_tokens[request.request_id] = n
             budget -= n
             i += 1
 
         # Admitting while preempting would only thrash: wait for a step that needs no preemption.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not out.preempted_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv.allocate_slots(request, n):
@@ -102,7 +80,10 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             self.running.append(request)
-            out.chunks.append(ScheduledChunk.next_for(request, n))
+            out.new_requests.append(NewRequestData(
+                request.request_id, list(request.all_token_ids), request.num_prompt_tokens, request.sampling_params,
+                list(request.block_ids), request.num_computed_tokens))
+            out.num_scheduled_tokens[request.request_id] = n
             budget -= n
         return out
 
@@ -111,7 +92,7 @@ class Scheduler:
         while not self.kv.allocate_slots(request, num_tokens):
             victim = self.running.pop()
             self._preempt(victim)
-            out.preempted.append(victim)
+            out.preempted_ids.append(victim.request_id)
             if victim is request:
                 return False
         return True
@@ -125,14 +106,15 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance each scheduled request; append the tokens sampled for it. Returns requests finished here."""
+        """Advance each scheduled request past its computed tokens; append the token sampled for it, if any.
+        Returns the requests that a token stop (EOS, stop token, length) finished here."""
         finished = []
-        for chunk in out.chunks:
-            request = chunk.request
-            if request.is_finished:
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None:
                 continue
-            request.num_computed_tokens = chunk.start + chunk.num_tokens
-            token = sampled.get(request.request_id)
+            request.num_computed_tokens += num_tokens
+            token = sampled.get(request_id)
             if token is None:
                 continue
             request.append_output_token(token)
@@ -154,6 +136,7 @@ class Scheduler:
         request.status = status
         request.finished_time = time.monotonic()
         del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

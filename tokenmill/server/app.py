@@ -79,6 +79,9 @@ class ServerState:
             raise APIError(503, "The server is shutting down.", "service_unavailable_error")
         if self.ctx is None:
             raise APIError(503, "The model is still loading.", "service_unavailable_error")
+        if not self.ctx.client.healthy:
+            raise APIError(503, f"The engine has failed ({self.ctx.client.error}); the server needs a restart.",
+                           "service_unavailable_error")
         return self.ctx
 
 
@@ -151,7 +154,7 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
         ctx = state.ready_context()
         return {"object": "list", "data": [{
             "id": ctx.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
-            "max_model_len": ctx.client.engine.max_model_len}]}
+            "max_model_len": ctx.client.info.max_model_len}]}
 
     def check_model(ctx: ServerContext, model: str) -> None:
         if model != ctx.model_name:
@@ -164,7 +167,7 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
         name = key_name(authorization)
         ctx = state.ready_context()
         check_model(ctx, body.model)
-        tracker = prepare(ctx, body, name, arrival)
+        tracker = await prepare(ctx, body, name, arrival)
         return await _respond(ctx, request, tracker, stream(ctx, body, tracker) if body.stream else None,
                               lambda: respond(ctx, body, tracker))
 

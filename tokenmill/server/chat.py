@@ -35,10 +35,11 @@ def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name: str | None, arrival: float) -> Tracker:
+async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name: str | None,
+                       arrival: float) -> Tracker:
     _reject_unsupported(body)
     try:
-        prompt = ctx.client.engine.tokenizer.apply_chat_template(_messages(body))
+        prompt = await ctx.client.apply_chat_template(_messages(body))
     except Exception as exc:  # a template may raise anything (jinja errors, its own raise_exception)
         raise bad_request(f"the chat template refused these messages: {exc}", param="messages") from None
     top = (body.top_logprobs or 0) if body.logprobs else None
@@ -49,13 +50,13 @@ def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name: str 
 
 
 def _usage(tracker: Tracker) -> dict[str, int]:
-    prompt = tracker.requests[0].num_prompt_tokens
-    completion = sum(r.num_output_tokens for r in tracker.requests)
+    prompt = len(tracker.requests[0].prompt_token_ids)
+    completion = tracker.num_output_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def chat_response(ctx: ServerContext, body: ChatCompletionRequest, tracker: Tracker) -> dict[str, Any]:
-    tokenizer = ctx.client.engine.tokenizer
+    tokenizer = ctx.client.tokenizer
     texts = [""] * len(tracker.requests)
     logprobs: list[list] = [[] for _ in tracker.requests]
     reasons: list[str | None] = [None] * len(tracker.requests)
@@ -74,7 +75,7 @@ async def chat_response(ctx: ServerContext, body: ChatCompletionRequest, tracker
 async def chat_stream(ctx: ServerContext, body: ChatCompletionRequest, tracker: Tracker) -> AsyncIterator[str]:
     """SSE data payloads: a role chunk per choice, content chunks, finish_reason on each choice's last chunk,
     an optional usage chunk with empty choices, then [DONE]. One id and created for all chunks."""
-    tokenizer = ctx.client.engine.tokenizer
+    tokenizer = ctx.client.tokenizer
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": ctx.model_name, "system_fingerprint": None}

@@ -13,7 +13,7 @@ from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving import ServerContext, Tracker, make_requests, merged_outputs, sampling_params
 
 
-def _prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
+async def _prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
     """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -21,39 +21,38 @@ def _prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
         raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(t, int) for t in prompt):
         return [list(prompt)]
-    tokenizer = ctx.client.engine.tokenizer
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    return [await ctx.client.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
-def prepare_completion(ctx: ServerContext, body: CompletionRequest, key_name: str | None,
-                       arrival: float) -> Tracker:
+async def prepare_completion(ctx: ServerContext, body: CompletionRequest, key_name: str | None,
+                             arrival: float) -> Tracker:
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if body.best_of not in (None, body.n):
         raise bad_request("best_of other than n is not supported", param="best_of")
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs (prompt logprobs) is not supported yet", param="echo")
-    prompts = _prompts(ctx, body.prompt)
+    prompts = await _prompts(ctx, body.prompt)
     params = sampling_params(body, body.max_tokens, body.logprobs)
     requests = make_requests(ctx, prompts, params, body.n, "prompt", arrival)
     return Tracker(ctx, "completions", arrival, key_name, requests)
 
 
 def _usage(tracker: Tracker, n: int) -> dict[str, int]:
-    prompt = sum(r.num_prompt_tokens for r in tracker.requests[::n])  # each prompt once, whatever its n
-    completion = sum(r.num_output_tokens for r in tracker.requests)
+    prompt = sum(len(r.prompt_token_ids) for r in tracker.requests[::n])  # each prompt once, whatever its n
+    completion = tracker.num_output_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _echo_prefixes(ctx: ServerContext, body: CompletionRequest, tracker: Tracker) -> list[str]:
     if not body.echo:
         return [""] * len(tracker.requests)
-    tokenizer = ctx.client.engine.tokenizer
+    tokenizer = ctx.client.tokenizer
     return [tokenizer.decode(r.prompt_token_ids) for r in tracker.requests]
 
 
 async def completion_response(ctx: ServerContext, body: CompletionRequest, tracker: Tracker) -> dict[str, Any]:
-    tokenizer = ctx.client.engine.tokenizer
+    tokenizer = ctx.client.tokenizer
     texts = _echo_prefixes(ctx, body, tracker)
     logprobs = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in texts]
     reasons: list[str | None] = [None] * len(texts)
@@ -71,7 +70,7 @@ async def completion_response(ctx: ServerContext, body: CompletionRequest, track
 
 
 async def completion_stream(ctx: ServerContext, body: CompletionRequest, tracker: Tracker) -> AsyncIterator[str]:
-    tokenizer = ctx.client.engine.tokenizer
+    tokenizer = ctx.client.tokenizer
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": ctx.model_name, "system_fingerprint": None}

@@ -14,11 +14,10 @@ import time
 import uvicorn
 
 from tokenmill.config import EngineConfig
-from tokenmill.scheduler.client import EngineClient
-from tokenmill.scheduler.engine import LLMEngine
+from tokenmill.engine.client import EngineClient
 from tokenmill.server.app import ServerState, build_app
 from tokenmill.server.auth import Authenticator, load_keys
-from tokenmill.server.logs import configure_logging
+from tokenmill.logs import configure_logging
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.serving import ServerContext
 
@@ -54,16 +53,14 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def _loader(config: EngineConfig):
+def _loader(config: EngineConfig, clients: list[EngineClient]):
     def load() -> ServerContext:
-        engine = LLMEngine(config)
-        capacity = engine.scheduler.kv.capacity_tokens
-        client = EngineClient(engine, admission_limit=int(capacity * config.admission_overcommit))
-        client.start()
-        name = config.served_model_name or engine.model_name
-        log.info("serving %s: KV cache %d tokens, admission limit %d promised tokens", name, capacity,
-                 client.admission_limit)
-        return ServerContext(client, Metrics(client, name), name)
+        client = EngineClient(config, in_process=not config.engine_process)
+        clients.append(client)  # stopped at exit, also when it never became ready
+        info = client.start()
+        log.info("serving %s: KV cache %d tokens, admission limit %d promised tokens", info.model_name,
+                 info.kv_capacity_tokens, client.admission_limit)
+        return ServerContext(client, Metrics(client, info.model_name), info.model_name)
     return load
 
 
@@ -71,13 +68,16 @@ def serve(config: EngineConfig) -> int:
     configure_logging(config.log_json)
     keys = load_keys(config.api_key, config.api_key_file)
     state = ServerState(Authenticator(keys), config.auth_all_endpoints)
-    asgi = build_app(state, _loader(config), config.cors_origins)
+    clients: list[EngineClient] = []
+    asgi = build_app(state, _loader(config, clients), config.cors_origins)
     uv_config = uvicorn.Config(asgi, host=config.host, port=config.port, log_config=None,
                                timeout_graceful_shutdown=1, access_log=False)
     server = DrainingServer(uv_config, state, config.shutdown_timeout)
     state.on_load_failure = lambda: setattr(server, "should_exit", True)
     log.info("listening on http://%s:%d", config.host, config.port)
-    server.run()
-    if state.ctx is not None:
-        state.ctx.client.stop()
+    try:
+        server.run()
+    finally:
+        for client in clients:
+            client.stop()
     return 1 if state.load_error is not None else 0

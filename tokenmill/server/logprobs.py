@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
-from tokenmill.models.tokenizer import Tokenizer
-from tokenmill.scheduler.outputs import RequestOutput
+from tokenmill.engine.messages import RequestOutput
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:

@@ -3,7 +3,9 @@
 Definitions (measured where the server sends tokens; arrival is when the HTTP request was parsed):
 - TTFT (time_to_first_token_seconds) = first token sent - arrival;
 - inter-token latency (inter_token_latency_seconds) = time between two consecutive tokens sent to one
-  request; its mean over a request is TPOT = (last token - first token) / (output tokens - 1);
+  request;
+- TPOT (time_per_output_token_seconds), one observation per finished request with at least two output tokens
+  = (last token sent - first token sent) / (output tokens - 1): the mean inter-token latency of that request;
 - e2e latency = last token sent - arrival; queue time = first scheduled - arrival;
   prefill time = first token - first scheduled; decode time = last token - first token.
 """
@@ -14,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tokenmill.scheduler.client import EngineClient
+from tokenmill.engine.client import EngineClient
 
 P = "tokenmill:"
 REJECT_REASONS = ("admission", "context_length")  # 429 (admission limit), 400 (prompt + max_tokens too long)
@@ -33,13 +35,16 @@ class _EngineCollector(Collector):
         self.client, self.model = client, model
 
     def collect(self):
-        stats = self.client.engine.scheduler.stats()
+        stats = self.client.stats
         for name, doc, value in (
             ("num_requests_running", "Requests in the running batch.", stats.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", stats.kv_cache_usage),
             ("admission_saturation", "Promised tokens / admission limit; at 1 new requests get 429.",
              self.client.saturation),
+            # Absent with --no-engine-process (the engine then shares process_resident_memory_bytes).
+            *([("engine_process_resident_memory_bytes", "Resident memory of the engine process.",
+                stats.resident_memory_bytes)] if self.client.engine_in_own_process else []),
         ):
             gauge = GaugeMetricFamily(P + name, doc, labels=["model_name"])
             gauge.add_metric([self.model], value)
@@ -48,7 +53,7 @@ class _EngineCollector(Collector):
             ("num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
              stats.num_preemptions_total),
             ("requests_aborted", "Requests aborted before finishing (client gone, cancelled).",
-             self.client.stats.num_aborted),
+             stats.num_aborted_total),
         ):
             counter = CounterMetricFamily(P + name, doc, labels=["model_name"])
             counter.add_metric([self.model], value)
@@ -64,6 +69,9 @@ class Metrics:
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive tokens of a request.",
                              labels, buckets=_ITL_BUCKETS, registry=r)
+        self.tpot = Histogram(P + "time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (output tokens - 1).", labels,
+                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Last token sent - arrival.", labels,
                              buckets=_REQUEST_BUCKETS, registry=r)
         self.queue = Histogram(P + "request_queue_time_seconds", "First scheduled - arrival.", labels,

@@ -10,11 +10,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from tokenmill.engine.client import EngineClient, EngineDeadError
+from tokenmill.engine.messages import ContextLengthError, EngineRequest, RequestOutput
 from tokenmill.sampling.params import SamplingParamError, SamplingParams
-from tokenmill.scheduler.client import EngineClient
-from tokenmill.scheduler.engine import ContextLengthError
-from tokenmill.scheduler.outputs import RequestOutput
-from tokenmill.scheduler.request import Request
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.protocol import SamplingFields
@@ -50,16 +48,15 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
 
 
 def make_requests(ctx: ServerContext, prompts: list[list[int]], params: SamplingParams, n: int, prompt_param: str,
-                  arrival: float) -> list[Request]:
+                  arrival: float) -> list[EngineRequest]:
     """One engine request per (prompt, choice), validated; admission control on their total promise."""
-    engine = ctx.client.engine
     requests = []
     for prompt in prompts:
         for i in range(n):
             # The n choices are separate requests; seeded ones get distinct, reproducible seeds.
             choice = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             try:
-                requests.append(engine.make_request(prompt, choice, uuid.uuid4().hex, arrival))
+                requests.append(ctx.client.make_request(prompt, choice, arrival, uuid.uuid4().hex))
             except ContextLengthError as exc:
                 ctx.metrics.reject("context_length")
                 raise bad_request(str(exc), param=prompt_param, code="context_length_exceeded") from None
@@ -76,9 +73,10 @@ def make_requests(ctx: ServerContext, prompts: list[list[int]], params: Sampling
 
 @dataclass
 class _Progress:
-    request: Request
+    request: EngineRequest
     first_token_time: float | None = None
     last_token_time: float | None = None
+    num_output_tokens: int = 0
 
 
 @dataclass
@@ -89,7 +87,7 @@ class Tracker:
     endpoint: str
     arrival: float
     key_name: str | None
-    requests: list[Request]
+    requests: list[EngineRequest]
     _progress: dict[str, _Progress] = field(default_factory=dict)
     finish_reasons: list[str | None] = field(default_factory=list)
 
@@ -100,6 +98,7 @@ class Tracker:
         now = time.monotonic()
         m, model = self.ctx.metrics, self.ctx.model_name
         p = self._progress[out.request_id]
+        p.num_output_tokens = out.num_output_tokens
         if out.new_token_ids:
             if p.first_token_time is None:
                 p.first_token_time = now
@@ -111,14 +110,16 @@ class Tracker:
             self._finish(p, out, now)
 
     def _finish(self, p: _Progress, out: RequestOutput, now: float) -> None:
-        m, model, r = self.ctx.metrics, self.ctx.model_name, p.request
+        m, model = self.ctx.metrics, self.ctx.model_name
         m.e2e.labels(model).observe(now - self.arrival)
-        if r.first_scheduled_time is not None:
-            m.queue.labels(model).observe(r.first_scheduled_time - self.arrival)
+        if out.first_scheduled_time is not None:
+            m.queue.labels(model).observe(out.first_scheduled_time - self.arrival)
             if p.first_token_time is not None:
-                m.prefill.labels(model).observe(p.first_token_time - r.first_scheduled_time)
+                m.prefill.labels(model).observe(p.first_token_time - out.first_scheduled_time)
         if p.first_token_time is not None:
             m.decode.labels(model).observe(now - p.first_token_time)
+            if out.num_output_tokens > 1:  # TPOT = (last token - first token) / (output tokens - 1)
+                m.tpot.labels(model).observe((p.last_token_time - p.first_token_time) / (out.num_output_tokens - 1))
         m.prompt_tokens.labels(model).inc(out.num_prompt_tokens)
         m.generation_tokens.labels(model).inc(out.num_output_tokens)
         m.success.labels(model, out.finish_reason or "unknown").inc()
@@ -127,14 +128,18 @@ class Tracker:
             m.key_tokens.labels(model, self.key_name, "generation").inc(out.num_output_tokens)
         self.finish_reasons.append(out.finish_reason)
 
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(p.num_output_tokens for p in self._progress.values())
+
     def log_line(self, status: int) -> None:
         """One line per HTTP request: never the prompt, never the key itself."""
         first = [p.first_token_time for p in self._progress.values() if p.first_token_time is not None]
         record = {
             "id": self.requests[0].request_id if self.requests else None, "endpoint": self.endpoint,
             "status": status, "key": self.key_name, "choices": len(self.requests),
-            "prompt_tokens": sum(r.num_prompt_tokens for r in self.requests),
-            "output_tokens": sum(r.num_output_tokens for r in self.requests),
+            "prompt_tokens": sum(len(r.prompt_token_ids) for r in self.requests),
+            "output_tokens": self.num_output_tokens,
             "ttft_s": round(min(first) - self.arrival, 4) if first else None,
             "e2e_s": round(time.monotonic() - self.arrival, 4),
             "finish_reason": ",".join(str(f) for f in self.finish_reasons) or "abort",
@@ -142,16 +147,27 @@ class Tracker:
         log.info("request", extra={"fields": record})
 
 
-async def merged_outputs(client: EngineClient, requests: list[Request]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged_outputs(client: EngineClient, requests: list[EngineRequest]
+                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several engine requests as they come, tagged with the request's index. Closing this
-    iterator cancels every pump, which aborts the requests still running."""
+    iterator cancels every pump, which aborts the requests still running. An engine that dies mid-request becomes
+    an OpenAI-shaped 500 (a body, or an error event in a stream that has started)."""
+    try:
+        async for item in _merged(client, requests):
+            yield item
+    except EngineDeadError as exc:
+        raise APIError(500, f"The engine failed while generating: {exc}", "server_error", code="engine_failed") \
+            from None
+
+
+async def _merged(client: EngineClient, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
     if len(requests) == 1:
         async for out in client.generate(requests[0]):
             yield 0, out
         return
     queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
-    async def pump(index: int, request: Request) -> None:
+    async def pump(index: int, request: EngineRequest) -> None:
         try:
             async for out in client.generate(request):
                 queue.put_nowait((index, out))

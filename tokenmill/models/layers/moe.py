@@ -3,42 +3,17 @@ bias + grouped top-k, ``noaux_tc``), routed experts through ``kernels.fused_moe`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.fused_moe import Fp8BlockScales, fused_moe
+from tokenmill.models.config import MoEConfig
 from tokenmill.models.layers.mlp import SwiGLU
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    num_experts: int
-    top_k: int
-    scoring: str  # "softmax" | "sigmoid"
-    topk_method: str  # "greedy" | "group_limited_greedy" | "noaux_tc"
-    num_groups: int
-    topk_groups: int
-    normalize: bool
-    scaling: float
-
-    @classmethod
-    def from_hf(cls, c: dict[str, Any]) -> "RouterConfig":
-        # Released configs name both; transformers 5 drops them for V3, whose router is sigmoid + noaux_tc.
-        v3 = "DeepseekV3ForCausalLM" in (c.get("architectures") or [])
-        scoring = c.get("scoring_func") or ("sigmoid" if v3 else "softmax")
-        method = c.get("topk_method") or ("noaux_tc" if scoring == "sigmoid" else "greedy")
-        return cls(num_experts=c["n_routed_experts"], top_k=c["num_experts_per_tok"],
-                   scoring=scoring, topk_method=method, num_groups=c.get("n_group") or 1,
-                   topk_groups=c.get("topk_group") or 1, normalize=bool(c.get("norm_topk_prob", False)),
-                   scaling=float(c.get("routed_scaling_factor", 1.0)))
-
-
-def _mask_to_groups(choice: torch.Tensor, group_scores: torch.Tensor, cfg: RouterConfig, fill: float) -> torch.Tensor:
+def _mask_to_groups(choice: torch.Tensor, group_scores: torch.Tensor, cfg: MoEConfig, fill: float) -> torch.Tensor:
     """Keep only the experts of the ``topk_groups`` best groups."""
     keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg.topk_groups, dim=-1).indices, 1.0)
     keep = keep.repeat_interleave(cfg.num_experts // cfg.num_groups, dim=1).bool()
@@ -46,7 +21,7 @@ def _mask_to_groups(choice: torch.Tensor, group_scores: torch.Tensor, cfg: Route
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-          cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+          cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k]); computed in float32 as the checkpoints expect."""
     logits = F.linear(x.float(), weight.float())
     scores = logits.softmax(-1) if cfg.scoring == "softmax" else logits.sigmoid()
@@ -71,12 +46,12 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 class MoE(nn.Module):
     kernels = KernelChoice()  # set per model by DecoderLM.use_kernels
 
-    def __init__(self, hidden: int, c: dict[str, Any], fp8_block: tuple[int, int] | None = None):
+    def __init__(self, hidden: int, c: MoEConfig, fp8_block: tuple[int, int] | None = None):
         """``fp8_block``: keep the routed experts in float8_e4m3fn with (bn x bk) block scales (DeepSeek-V3's
         checkpoint format) and run them as fp8 GEMMs; None = experts in the compute dtype."""
         super().__init__()
-        self.cfg = RouterConfig.from_hf(c)
-        inter, experts = c["moe_intermediate_size"], self.cfg.num_experts
+        self.cfg = c
+        inter, experts = c.intermediate_size, c.num_experts
         self.gate_weight = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
         bias = torch.empty(experts) if self.cfg.topk_method == "noaux_tc" else None
         self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
@@ -90,7 +65,7 @@ class MoE(nn.Module):
                                                 requires_grad=False)
             self.w_down_scale = nn.Parameter(torch.empty(experts, -(-hidden // bn), -(-inter // bk)),
                                              requires_grad=False)
-        shared = c.get("n_shared_experts") or 0
+        shared = c.num_shared_experts
         self.shared_experts = SwiGLU(hidden, inter * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

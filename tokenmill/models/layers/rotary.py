@@ -60,15 +60,6 @@ def _yarn(base: float, dim: int, p: dict[str, Any], max_position: int) -> tuple[
     return inv_freq, float(attention_factor)
 
 
-def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """One dict with rope_type and its fields, from either ``rope_scaling`` (older configs) or
-    ``rope_parameters`` (transformers 5), with ``rope_theta`` filled in."""
-    params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
-    return params
-
-
 class RotaryEmbedding:
     """cos/sin tables are built on the CPU (explicitly, so a meta-device model build leaves them real)."""
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.scheduler.engine import ContextLengthError
+from tokenmill.engine.messages import ContextLengthError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
@@ -20,7 +20,7 @@ def short_answer_ids(smollm_llm):
 def test_preemption_gives_identical_outputs_and_frees_pool(smollm_llm, prompt_ids):
     short = prompt_ids[:4]  # 4 prompts; each needs < 256 tokens, all together far more than 320
     expected = [r.token_ids for r in smollm_llm.generate(short, GREEDY)]
-    kv_bytes_per_token = smollm_llm.engine.kv_bytes_per_token
+    kv_bytes_per_token = smollm_llm.engine.info.kv_bytes_per_token
     tight = LLM(dtype="float32", kv_cache_dtype="fp32", block_size=16, max_model_len=320,
                 kv_cache_memory=(320 + 16) * kv_bytes_per_token)  # + the null block
     engine = tight.engine
@@ -40,12 +40,14 @@ def test_seeded_sampling_is_batch_invariant(smollm_llm, prompt_ids):
     others = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True)
     engine = smollm_llm.engine
     # The same seeded request in a crowd of unseeded ones, admitted in the middle.
-    crowd = [engine.add_request(prompt_ids[i], others) for i in (0, 2)]
-    seeded = engine.add_request(prompt_ids[1], params)
-    crowd += [engine.add_request(prompt_ids[3], others)]
+    for i in (0, 2):
+        smollm_llm.add_request(prompt_ids[i], others)
+    seeded = smollm_llm.add_request(prompt_ids[1], params)
+    smollm_llm.add_request(prompt_ids[3], others)
+    tokens = []
     while engine.has_unfinished():
-        engine.step()
-    assert seeded.output_token_ids == alone
+        tokens += [t for o in engine.step().outputs if o.request_id == seeded for t in o.new_token_ids]
+    assert tokens == alone
     again = smollm_llm.generate([prompt_ids[1]], dataclasses.replace(params, seed=99))[0].token_ids
     assert again != alone  # the seed matters
 
@@ -75,10 +77,10 @@ def test_stream_deltas_never_leak_a_stop_string(smollm_llm, prompt_ids):
     full = smollm_llm.generate([prompt_ids[3]], GREEDY)[0]
     stop = full.text[30:36]
     engine = smollm_llm.engine
-    req = engine.add_request(prompt_ids[3], dataclasses.replace(GREEDY, stop=[stop]))
+    req = smollm_llm.add_request(prompt_ids[3], dataclasses.replace(GREEDY, stop=[stop]))
     deltas = []
     while engine.has_unfinished():
-        deltas += [o.delta_text for o in engine.step() if o.request_id == req.request_id]
+        deltas += [o.delta_text for o in engine.step().outputs if o.request_id == req]
     assert "".join(deltas) == full.text[:full.text.index(stop)]
 
 
@@ -146,23 +148,24 @@ def test_text_equals_decode_of_tokens(smollm_llm, prompt_ids):
 def test_bad_input_is_rejected_and_engine_stays_usable(smollm_llm, prompt_ids):
     engine = smollm_llm.engine
     with pytest.raises(ContextLengthError):
-        engine.add_request(prompt_ids[0], SamplingParams(max_tokens=engine.max_model_len))
+        smollm_llm.add_request(prompt_ids[0], SamplingParams(max_tokens=engine.info.max_model_len))
     with pytest.raises(ValueError, match="prompt"):
-        engine.add_request([], SamplingParams())
+        smollm_llm.add_request([], SamplingParams())
     with pytest.raises(ValueError, match="prompt"):
-        engine.add_request([10**9], SamplingParams())
+        smollm_llm.add_request([10**9], SamplingParams())
     with pytest.raises(ValueError, match="logit_bias"):
-        engine.add_request(prompt_ids[0], SamplingParams(logit_bias={10**9: 1.0}))
+        smollm_llm.add_request(prompt_ids[0], SamplingParams(logit_bias={10**9: 1.0}))
     assert not engine.has_unfinished()
     assert smollm_llm.generate([prompt_ids[0]], dataclasses.replace(GREEDY, max_tokens=2))[0].token_ids
 
 
 def test_abort_frees_blocks(smollm_llm, prompt_ids):
     engine = smollm_llm.engine
-    req = engine.add_request(prompt_ids[4], GREEDY)
+    rid = smollm_llm.add_request(prompt_ids[4], GREEDY)
     engine.step()
+    req = engine.scheduler.requests[rid]
     assert req.block_ids
-    out = engine.abort(req.request_id)
+    out = engine.abort(rid)
     assert out.finish_reason == "abort" and req.block_ids == []
     pool = engine.scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_blocks

@@ -1,6 +1,6 @@
 """Incremental detokenizer on the real SmolLM2 tokenizer: UTF-8 safety and exact concatenation."""
 
-from tokenmill.scheduler.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
 
 TEXT = "Waves 🌊 and confetti 🎉, café crème, 日本語のテキスト, Ελληνικά — done."
 

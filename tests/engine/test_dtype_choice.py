@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tokenmill.config import load_config
-from tokenmill.models import worker
+from tokenmill.engine import worker
 
 
 @pytest.mark.parametrize("ratios,expected", [({1: 0.5, 16: 0.6, 256: 0.3}, torch.bfloat16),  # an AMX host

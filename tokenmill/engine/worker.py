@@ -13,6 +13,7 @@ import torch
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.kernels.backend import KernelChoice, resolve_kernel_backend
 from tokenmill.kvcache.cache import KVCache
+from tokenmill.models.config import ModelConfig
 from tokenmill.models.loader import Checkpoint, ModelLoadError
 from tokenmill.models.registry import model_class_for
 
@@ -86,16 +87,14 @@ def kernel_choice(config: EngineConfig, device: torch.device, fp8_weights: bool)
     return KernelChoice(backend, tuner)
 
 
-def load_model_and_cache(checkpoint: Checkpoint, config: EngineConfig) -> LoadedModel:
+def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, config: EngineConfig) -> LoadedModel:
     device = torch.device(config.resolved_device())
-    hf = checkpoint.hf_config
-    dtype = resolve_dtype(config, device, (hf.get("intermediate_size") or hf["hidden_size"], hf["hidden_size"]))
-    quant = checkpoint.hf_config.get("quantization_config") or {}
-    kernels = kernel_choice(config, device, fp8_weights=quant.get("quant_method") == "fp8")
+    dtype = resolve_dtype(config, device, (model_config.intermediate_size, model_config.hidden_size))
+    kernels = kernel_choice(config, device, fp8_weights=model_config.fp8_weight_block is not None)
     try:
-        model_cls = model_class_for(checkpoint.hf_config)
+        model_cls = model_class_for(model_config)
         with torch.device("meta"):
-            model = model_cls(checkpoint.hf_config, kernels=kernels)
+            model = model_cls(model_config, kernels=kernels)
         model.to_empty(device="cpu")
         model.load_weights(checkpoint.weights())
     except (KeyError, ValueError) as exc:

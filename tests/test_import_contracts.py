@@ -1,0 +1,138 @@
+"""The layering rules of shared/DESIGN.md as checks over the package's real imports (every ``import`` statement of
+every module, function-level ones included, read with ``ast``), plus the pure scheduler imported with torch blocked."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tokenmill"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def import_graph() -> dict[str, set[str]]:
+    """tokenmill module -> every module name it imports (absolute; ``from a import b`` counts a.b and a)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        name, imported = _module_name(path), set()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                imported.add(base)
+                imported.update(f"{base}.{alias.name}" for alias in node.names)
+        graph[name] = imported
+    return graph
+
+
+def internal(name: str) -> str | None:
+    """The tokenmill module an imported name refers to (a module, or the module holding an imported attribute)."""
+    graph = import_graph()
+    while name and name not in graph:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def closure(root: str) -> set[str]:
+    """Every name imported by ``root`` and, transitively, by the tokenmill modules it imports."""
+    seen, todo, names = set(), [root], set()
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        for name in import_graph()[module]:
+            names.add(name)
+            if (target := internal(name)) is not None:
+                todo.append(target)
+    return names
+
+
+def modules_under(prefix: str) -> list[str]:
+    return sorted(m for m in import_graph() if m == prefix or m.startswith(prefix + "."))
+
+
+def top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_the_graph_sees_the_package():
+    graph = import_graph()
+    assert "tokenmill.engine.core" in graph and "tokenmill.scheduler.scheduler" in graph
+    assert "tokenmill.scheduler.output" in graph["tokenmill.scheduler.scheduler"]
+
+
+@pytest.mark.parametrize("module", modules_under("tokenmill.scheduler"))
+def test_scheduler_reaches_neither_torch_nor_models(module):
+    reached = closure(module)
+    assert not {n for n in reached if top(n) in ("torch", "numpy", "triton")}, module
+    assert not {n for n in reached if within(n, ("tokenmill.models", "tokenmill.engine", "tokenmill.kernels",
+                                                  "tokenmill.server"))}, module
+
+
+SERVER_MAY_IMPORT = ("tokenmill.engine.client", "tokenmill.engine.messages", "tokenmill.sampling.params",
+                     "tokenmill.config", "tokenmill.logs", "tokenmill.server")
+
+
+@pytest.mark.parametrize("module", modules_under("tokenmill.server"))
+def test_server_imports_only_the_client_and_message_types(module):
+    wrong = {n for n in import_graph()[module] if top(n) == "tokenmill" and not within(n, SERVER_MAY_IMPORT)}
+    assert not wrong, f"{module} imports {wrong}"
+
+
+@pytest.mark.parametrize("module", modules_under("tokenmill.kernels"))
+def test_kernels_import_nothing_above_them(module):
+    wrong = {n for n in import_graph()[module] if top(n) == "tokenmill" and not within(n, ("tokenmill.kernels",))}
+    assert not wrong, f"{module} imports {wrong}"
+
+
+def test_nothing_but_the_cli_imports_the_server():
+    for module, names in import_graph().items():
+        if not within(module, ("tokenmill.server", "tokenmill.cli")):
+            assert not {n for n in names if within(n, ("tokenmill.server",))}, module
+
+
+def test_only_the_server_imports_web_and_metrics_libraries():
+    web = ("fastapi", "starlette", "uvicorn", "sse_starlette", "prometheus_client")
+    for module, names in import_graph().items():
+        if not within(module, ("tokenmill.server",)):
+            assert not {n for n in names if top(n) in web}, module
+
+
+@pytest.mark.parametrize("layer", ["tokenmill.kvcache", "tokenmill.sampling"])
+def test_kvcache_and_sampling_import_no_upper_layer(layer):
+    upper = ("tokenmill.engine", "tokenmill.server", "tokenmill.scheduler", "tokenmill.models", "tokenmill.llm")
+    for module in modules_under(layer):
+        assert not {n for n in import_graph()[module] if within(n, upper)}, module
+
+
+def test_scheduler_imports_where_torch_cannot_be_imported():
+    blocker = ("import sys\n"
+               "class Block:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] in ('torch', 'numpy', 'triton'):\n"
+               "            raise ImportError(f'{name} is blocked')\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "import tokenmill.scheduler.scheduler, tokenmill.kvcache.block_pool, tokenmill.models.config\n"
+               "assert 'torch' not in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,111 @@
+"""The engine core: the step loop. schedule -> run the model and sample -> update requests -> detokenize -> report.
+
+It takes plain-data requests (``EngineRequest``) and returns plain-data outputs (``StepOutputs``), so it runs the same
+in the caller's thread (``LLM``, tests) and in its own process (``tokenmill serve``, engine/process.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.messages import EngineInfo, EngineRequest, EngineStats, RequestOutput, StepOutputs
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.worker import load_model_and_cache
+from tokenmill.kvcache.manager import KVCacheManager
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.loader import open_checkpoint
+from tokenmill.models.tokenizer import Tokenizer
+from tokenmill.runtime import keep_freed_memory_in_heap, resident_memory_bytes
+from tokenmill.scheduler.request import Request, RequestStatus
+from tokenmill.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.resolved_device() == "cpu":
+            keep_freed_memory_in_heap()
+        checkpoint = open_checkpoint(config.model)
+        self.tokenizer = Tokenizer(checkpoint)
+        self.model_config = ModelConfig.from_hf(checkpoint.hf_config, checkpoint.generation_config,
+                                                self.tokenizer.eos_token_id)
+        loaded = load_model_and_cache(checkpoint, self.model_config, config)
+        self.runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, config.max_num_seqs,
+                                  loaded.max_model_len, self.model_config.eos_token_ids, config.seed)
+        kv = KVCacheManager(loaded.kv_cache.num_blocks, config.block_size)
+        self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.num_aborted_total = 0
+        spec = loaded.kv_cache.spec
+        self.info = EngineInfo(
+            model_name=config.served_model_name or checkpoint.name, max_model_len=loaded.max_model_len,
+            vocab_size=self.model_config.vocab_size, kv_capacity_tokens=kv.capacity_tokens,
+            kv_bytes_per_token=spec.bytes_per_token, device=str(loaded.device), dtype=str(loaded.dtype),
+            eos_token_ids=list(self.model_config.eos_token_ids))
+        log.info("engine ready: model=%s device=%s dtype=%s kv=%s blocks=%d (%d tokens, %d bytes/token)",
+                 self.info.model_name, loaded.device, loaded.dtype, spec.dtype, kv.pool.num_blocks,
+                 kv.capacity_tokens, spec.bytes_per_token)
+
+    # --- requests
+    def add_request(self, request: EngineRequest) -> None:
+        params = request.params
+        self.scheduler.add_request(Request(
+            request.request_id, list(request.prompt_token_ids), params, max_tokens=request.max_tokens,
+            eos_token_ids=self.model_config.eos_token_ids, arrival_time=request.arrival_time))
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        self._detokenizers.pop(request_id, None)
+        if request is None:
+            return None
+        self.num_aborted_total += 1
+        return RequestOutput(request_id, [], "", request.num_prompt_tokens, request.num_output_tokens,
+                             finished=True, finish_reason="abort", first_scheduled_time=request.first_scheduled_time)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions_total,
+                           self.num_aborted_total, resident_memory_bytes())
+
+    # --- the step
+    def step(self) -> StepOutputs:
+        out = self.scheduler.schedule()
+        result = self.runner.execute(out)
+        if out.is_empty:
+            return StepOutputs([], self.stats())
+        scheduled = [self.scheduler.requests[rid] for rid in result.sampled]
+        self.scheduler.update(out, result.sampled)
+        now = time.monotonic()
+        outputs = [self._report(request, result.sampled[request.request_id], result.logprobs.get(request.request_id),
+                                now) for request in scheduled]
+        return StepOutputs(outputs, self.stats())
+
+    def _report(self, request: Request, token: int, logprobs, now: float) -> RequestOutput:
+        if request.first_token_time is None:
+            request.first_token_time = now
+        detok = self._detokenizers[request.request_id]
+        delta = detok.update([token], finished=request.is_finished)
+        if detok.stopped_by is not None and not request.is_finished:
+            request.stop_reason = detok.stopped_by
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            del self._detokenizers[request.request_id]
+        return RequestOutput(request.request_id, [token], delta, request.num_prompt_tokens,
+                             request.num_output_tokens, finished=request.is_finished,
+                             finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+                             new_logprobs=[logprobs] if logprobs is not None else [],
+                             first_scheduled_time=request.first_scheduled_time, token_time=now)

@@ -1,0 +1,207 @@
+"""The runner's persistent batch: one row per request the runner knows, per-row arrays updated by the scheduler's diffs.
+
+A row holds the request's tokens (prompt + sampled so far), its computed count, its block-table row and its sampling
+parameters; a step reads the scheduled rows with vectorized gathers, so it allocates no per-request Python structure
+beyond the diff. Rows are reused through a free list; row order means nothing (the step's order is the scheduler's).
+
+Invariants: ``token_ids[r, :num_tokens[r]]`` are row r's known tokens; ``block_table[r, :num_blocks[r]]`` its blocks
+(the rest point at the null block); ``output_counts[r]`` (when row r is penalized) counts its sampled tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.kernels.metadata import AttentionMetadata
+from tokenmill.sampling.metadata import SamplingMetadata
+from tokenmill.sampling.sampler import step_seed
+from tokenmill.scheduler.output import NewRequestData, RunningRequestData
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attention: AttentionMetadata
+    sample_rows: np.ndarray  # batch rows that sample, in step order
+    logits_indices: torch.Tensor  # [S]: their last token's index in the flattened batch
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, null_block: int, vocab_size: int,
+                 eos_token_ids: tuple[int, ...], device: torch.device):
+        self.max_num_reqs, self.block_size, self.vocab_size = max_num_reqs, block_size, vocab_size
+        self.null_block, self.device = null_block, device
+        self.eos_token_ids = np.array(eos_token_ids, dtype=np.int64)
+        self.row_of: dict[str, int] = {}
+        self._request_ids: list[str | None] = [None] * max_num_reqs
+        self._free_rows = list(range(max_num_reqs))  # a heap: new requests take the lowest free row
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.full((max_num_reqs, -(-max_model_len // block_size)), null_block, dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Sampling parameters per row.
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition = np.ones(max_num_reqs, dtype=np.float32)
+        self.penalized = np.zeros(max_num_reqs, dtype=bool)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.seed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.seeded = np.zeros(max_num_reqs, dtype=bool)
+        self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, values)
+        self.min_tokens_bans: dict[int, np.ndarray] = {}  # row -> EOS ids + stop token ids
+        self.output_counts: torch.Tensor | None = None  # [max_num_reqs, V] int32, made on the first penalized row
+        self.prompt_mask: torch.Tensor | None = None  # [max_num_reqs, V] bool
+
+    # --- diffs from the scheduler
+    def add(self, new: NewRequestData) -> None:
+        row = heapq.heappop(self._free_rows)
+        self.row_of[new.request_id] = row
+        self._request_ids[row] = new.request_id
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
+        self.num_tokens[row], self.num_prompt_tokens[row] = n, new.num_prompt_tokens
+        self.num_computed[row] = new.num_computed_tokens
+        self.block_table[row, :] = self.null_block
+        self.block_table[row, :len(new.block_ids)] = new.block_ids
+        self.num_blocks[row] = len(new.block_ids)
+        self._set_sampling(row, new)
+
+    def update(self, running: RunningRequestData) -> None:
+        row = self.row_of[running.request_id]
+        start = self.num_blocks[row]
+        self.block_table[row, start:start + len(running.new_block_ids)] = running.new_block_ids
+        self.num_blocks[row] += len(running.new_block_ids)
+        self.num_computed[row] = running.num_computed_tokens
+
+    def remove(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        if row is None:
+            return  # never scheduled (aborted while waiting), or already dropped on preemption
+        self._request_ids[row] = None
+        self.bias.pop(row, None)
+        self.min_tokens_bans.pop(row, None)
+        heapq.heappush(self._free_rows, row)
+
+    def request_id(self, row: int) -> str:
+        return self._request_ids[row]
+
+    def _set_sampling(self, row: int, new: NewRequestData) -> None:
+        p = new.params
+        self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = \
+            p.temperature, p.top_k, p.top_p, p.min_p
+        self.presence[row], self.frequency[row] = p.presence_penalty, p.frequency_penalty
+        self.repetition[row] = p.repetition_penalty
+        self.penalized[row] = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        self.min_tokens[row] = p.min_tokens
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.seeded[row], self.seed[row] = p.seed is not None, p.seed or 0
+        if p.logit_bias:
+            self.bias[row] = (np.array(list(p.logit_bias), dtype=np.int64),
+                              np.array(list(p.logit_bias.values()), dtype=np.float32))
+        if p.min_tokens:
+            # vLLM and transformers ban every EOS id and stop token id until min_tokens, whatever ignore_eos says.
+            self.min_tokens_bans[row] = np.unique(np.concatenate([self.eos_token_ids,
+                                                                  np.array(p.stop_token_ids, dtype=np.int64)]))
+        if self.penalized[row]:
+            self._fill_penalty_state(row, new)
+
+    def _fill_penalty_state(self, row: int, new: NewRequestData) -> None:
+        if self.output_counts is None:
+            shape = (self.max_num_reqs, self.vocab_size)
+            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        prompt = torch.tensor(new.token_ids[:new.num_prompt_tokens], dtype=torch.long, device=self.device)
+        outputs = torch.tensor(new.token_ids[new.num_prompt_tokens:], dtype=torch.long, device=self.device)
+        self.prompt_mask[row].zero_().index_fill_(0, prompt, True)
+        self.output_counts[row].zero_().index_add_(0, outputs, torch.ones_like(outputs, dtype=torch.int32))
+
+    # --- one step
+    def prepare(self, num_scheduled: dict[str, int]) -> StepInputs:
+        """The flattened batch of the scheduled chunks, in the scheduler's order."""
+        rows = np.fromiter((self.row_of[rid] for rid in num_scheduled), dtype=np.int64, count=len(num_scheduled))
+        counts = np.fromiter(num_scheduled.values(), dtype=np.int64, count=len(num_scheduled))
+        starts = self.num_computed[rows]
+        ends = starts + counts
+        cu = np.cumsum(counts)
+        token_rows = np.repeat(rows, counts)
+        positions = np.arange(cu[-1]) - np.repeat(cu - counts, counts) + np.repeat(starts, counts)
+        slot_mapping = self.block_table[token_rows, positions // self.block_size] * self.block_size \
+            + positions % self.block_size
+        samples = ends == self.num_tokens[rows]
+        width = int(self.num_blocks[rows].max())
+        to = dict(device=self.device)
+        attention = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(**to), query_start_loc=[0, *cu.tolist()],
+            seq_lens=ends.tolist(), block_tables=torch.from_numpy(self.block_table[rows, :width]).to(**to),
+            block_size=self.block_size, decode_indices=np.flatnonzero(counts == 1).tolist(),
+            prefill_indices=np.flatnonzero(counts > 1).tolist())
+        return StepInputs(
+            input_ids=torch.from_numpy(self.token_ids[token_rows, positions].astype(np.int64)).to(**to),
+            positions=torch.from_numpy(positions).to(**to), attention=attention, sample_rows=rows[samples],
+            logits_indices=torch.from_numpy(cu[samples] - 1).to(**to))
+
+    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """The sampling parameters of ``rows`` (the step's sampling rows, in order) as tensors."""
+        def t(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values).to(self.device)
+        temperature = self.temperature[rows]
+        random = np.flatnonzero(temperature > 0)
+        m = SamplingMetadata(temperature=t(temperature), random_rows=t(random) if len(random) else None)
+        if len(random):
+            if (self.top_k[rows] > 0).any():
+                m.top_k = t(self.top_k[rows])
+            if (self.top_p[rows] < 1).any():
+                m.top_p = t(self.top_p[rows])
+            if (self.min_p[rows] > 0).any():
+                m.min_p = t(self.min_p[rows])
+            num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+            m.seeded = tuple((i, step_seed(int(self.seed[rows[r]]), int(num_outputs[r])))
+                             for i, r in enumerate(random) if self.seeded[rows[r]])
+        if self.penalized[rows].any():
+            index = t(rows)
+            m.presence_penalty, m.frequency_penalty = t(self.presence[rows]), t(self.frequency[rows])
+            m.repetition_penalty = t(self.repetition[rows])
+            m.output_counts, m.prompt_mask = self.output_counts[index], self.prompt_mask[index]
+        self._sparse_terms(rows, m)
+        if (self.num_logprobs[rows] >= 0).any():
+            m.num_logprobs = self.num_logprobs[rows].tolist()
+            m.max_logprobs = max(m.num_logprobs)
+        return m
+
+    def _sparse_terms(self, rows: np.ndarray, m: SamplingMetadata) -> None:
+        """logit_bias and min_tokens bans of ``rows`` as coordinate lists (only rows that have them)."""
+        bias = [(i, *self.bias[r]) for i, r in enumerate(rows.tolist()) if r in self.bias]
+        if bias:
+            m.bias_rows = torch.tensor(np.concatenate([np.full(len(ids), i) for i, ids, _ in bias]), device=self.device)
+            m.bias_ids = torch.from_numpy(np.concatenate([ids for _, ids, _ in bias])).to(self.device)
+            m.bias_values = torch.from_numpy(np.concatenate([v for _, _, v in bias])).to(self.device)
+        short = self.num_tokens[rows] - self.num_prompt_tokens[rows] < self.min_tokens[rows]
+        bans = [(i, self.min_tokens_bans[r]) for i, r in enumerate(rows.tolist()) if short[i] and r in
+                self.min_tokens_bans]
+        if bans:
+            m.ban_rows = torch.tensor(np.concatenate([np.full(len(ids), i) for i, ids in bans]), device=self.device)
+            m.ban_ids = torch.from_numpy(np.concatenate([ids for _, ids in bans])).to(self.device)
+
+    def append_sampled(self, rows: np.ndarray, tokens: list[int]) -> None:
+        """Row r's sampled token becomes its next known token (and counts toward its penalties)."""
+        values = np.array(tokens, dtype=np.int64)
+        self.token_ids[rows, self.num_tokens[rows]] = values
+        self.num_tokens[rows] += 1
+        penalized = self.penalized[rows]
+        if penalized.any():
+            index = torch.from_numpy(rows[penalized]).to(self.device)
+            self.output_counts.index_put_((index, torch.from_numpy(values[penalized]).to(self.device)),
+                                          torch.ones(len(index), dtype=torch.int32, device=self.device),
+                                          accumulate=True)

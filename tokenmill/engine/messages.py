@@ -1,0 +1,98 @@
+"""The plain-data messages between the API side and the engine core, both ways. No torch, nothing mutable shared:
+every message is a copy, so the engine core can live in another process (it does under ``tokenmill serve``).
+
+API -> engine: ``EngineRequest`` (submit), abort by request id.
+Engine -> API: ``EngineInfo`` once when ready, then one ``StepOutputs`` per engine step: each request's new tokens,
+text delta, finish and stop reason, logprobs and timing marks, plus the scheduler's counters.
+
+Times are ``time.monotonic()`` seconds: one system-wide clock (CLOCK_MONOTONIC), comparable across processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling.params import SamplingParams
+
+# Per token: (logprob of the sampled token, [(token id, logprob)] top candidates).
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Largest number of output tokens, after capping by the model length (validate_request).
+    max_tokens: int
+    arrival_time: float
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: deltas, so a stream can send them as they come."""
+    request_id: str
+    new_token_ids: list[int]
+    delta_text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # The matched stop string or stop token id; None for EOS, length and abort.
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Engine timing marks: when the request was first scheduled, when these tokens were sampled.
+    first_scheduled_time: float | None = None
+    token_time: float | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0 .. 1
+    num_preemptions_total: int = 0
+    num_aborted_total: int = 0
+    resident_memory_bytes: int = 0  # of the process the engine core runs in
+
+
+@dataclass
+class StepOutputs:
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+@dataclass
+class EngineInfo:
+    """What the API side needs to know of a loaded engine (sent once, when it is ready)."""
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    kv_capacity_tokens: int
+    kv_bytes_per_token: int
+    device: str
+    dtype: str
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+class ContextLengthError(ValueError):
+    """prompt + max_tokens do not fit the model length."""
+
+
+def validate_request(info: EngineInfo, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    """Check a request against the loaded model; return its max_tokens (None in params = up to the model length).
+
+    Raises ValueError (ContextLengthError, SamplingParamError) naming the problem; nothing is queued."""
+    if not prompt_token_ids:
+        raise ValueError("prompt: must contain at least one token")
+    if not all(0 <= t < info.vocab_size for t in prompt_token_ids):
+        raise ValueError(f"prompt: token ids must be in [0, {info.vocab_size})")
+    params.validate_for_vocab(info.vocab_size)
+    room = info.max_model_len - len(prompt_token_ids)
+    wanted = params.max_tokens if params.max_tokens is not None else room
+    if room < 1 or wanted > room:
+        raise ContextLengthError(
+            f"This model's maximum context length is {info.max_model_len} tokens. However, you requested "
+            f"{len(prompt_token_ids) + wanted} tokens ({len(prompt_token_ids)} in the prompt, {wanted} for "
+            f"the completion). Please reduce the prompt or the completion length.")
+    return wanted

@@ -1,0 +1,156 @@
+"""ModelConfig: the one normalization of a checkpoint's config (HF config.json, GGUF metadata turned into one).
+
+Every consumer -- the model classes, the KV-cache spec, the engine's stop checks, ``tokenmill plan`` -- reads this
+object, never the raw dict, so the defaults HF configs leave implicit (head_dim, KV heads, Qwen2's biases, V3's
+router) are decided once. Pure Python: ``tokenmill plan`` imports it without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
+
+
+# What models/registry.py serves; a checkpoint naming several architectures is read as the first of these.
+KNOWN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "DeepseekV2ForCausalLM",
+                       "DeepseekV3ForCausalLM")
+
+
+def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """One dict with rope_type and its fields, from either ``rope_scaling`` (older configs) or
+    ``rope_parameters`` (transformers 5), with ``rope_theta`` filled in."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    return params
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention: what the latent cache holds and how heads expand from it."""
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    interleaved_rope: bool  # V2 always rotates interleaved pairs; V3 configs say so (rope_interleave)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    num_shared_experts: int
+    first_k_dense_replace: int
+    layer_freq: int
+    scoring: str  # "softmax" | "sigmoid"
+    topk_method: str  # "greedy" | "group_limited_greedy" | "noaux_tc"
+    num_groups: int
+    topk_groups: int
+    normalize: bool
+    scaling: float
+
+    def is_moe_layer(self, index: int) -> bool:
+        """DeepSeek's rule (transformers drops the frequency, which every released config sets to 1)."""
+        return index >= self.first_k_dense_replace and index % self.layer_freq == 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # GQA/MHA: K/V heads; MLA: equal to num_heads (heads expand from one latent)
+    head_dim: int  # GQA/MHA head size; MLA: qk_nope + qk_rope
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope: dict[str, Any]
+    # Every id that ends generation: config.json's, generation_config.json's and the tokenizer's EOS, in that order.
+    eos_token_ids: tuple[int, ...] = ()
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    # fp8 block quantization (DeepSeek-V3's format): the (rows, cols) block of one weight scale; None = unquantized.
+    fp8_weight_block: tuple[int, int] | None = None
+    hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def attention_kind(self) -> str:
+        if self.mla:
+            return "MLA"
+        return "MHA" if self.num_kv_heads == self.num_heads else "GQA"
+
+    @property
+    def is_deepseek(self) -> bool:
+        return self.architecture.startswith("Deepseek")
+
+    def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int) -> KVCacheSpec:
+        """MLA: one slot per token and layer holding the latent and the roped key, nothing per head;
+        GQA/MHA: K and V per KV head."""
+        if self.mla:
+            return KVCacheSpec(self.num_layers, 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim, dtype,
+                               block_size)
+        return KVCacheSpec.for_gqa(self.num_layers, self.num_kv_heads, self.head_dim, dtype, block_size)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None,
+                tokenizer_eos_token_id: int | None = None) -> "ModelConfig":
+        archs = hf.get("architectures") or ["LlamaForCausalLM"]
+        architecture = next((a for a in archs if a in KNOWN_ARCHITECTURES), archs[0])
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        heads = hf["num_attention_heads"]
+        mla = _mla(hf, architecture)
+        eos = _ids(hf.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
+        eos += _ids(tokenizer_eos_token_id)
+        quant = hf.get("quantization_config") or {}
+        if quant and quant.get("quant_method") != "fp8":
+            raise ValueError(f"quantization {quant.get('quant_method')!r} is not supported (only fp8 blocks)")
+        return cls(
+            architecture=architecture, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=heads if mla else (hf.get("num_key_value_heads") or heads),
+            head_dim=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) if mla
+            else (hf.get("head_dim") or hf["hidden_size"] // heads),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position=hf.get("max_position_embeddings", 4096 if mla else 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 has q/k/v biases without saying so in its config.
+            attention_bias=bool(hf.get("attention_bias", False)) or architecture == "Qwen2ForCausalLM",
+            rope=rope_parameters(hf), eos_token_ids=tuple(dict.fromkeys(eos)), mla=mla, moe=_moe(hf, architecture),
+            fp8_weight_block=tuple(quant.get("weight_block_size") or (128, 128)) if quant else None, hf=hf)
+
+
+def _mla(hf: dict[str, Any], architecture: str) -> MLAConfig | None:
+    if hf.get("kv_lora_rank") is None:
+        return None
+    return MLAConfig(kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank") or None,
+                     qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                     v_head_dim=hf["v_head_dim"], interleaved_rope=bool(hf.get("rope_interleave", True)))
+
+
+def _moe(hf: dict[str, Any], architecture: str) -> MoEConfig | None:
+    if not hf.get("n_routed_experts"):
+        return None
+    # Released configs name both; transformers 5 drops them for V3, whose router is sigmoid + noaux_tc.
+    scoring = hf.get("scoring_func") or ("sigmoid" if architecture == "DeepseekV3ForCausalLM" else "softmax")
+    method = hf.get("topk_method") or ("noaux_tc" if scoring == "sigmoid" else "greedy")
+    return MoEConfig(num_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"],
+                     intermediate_size=hf["moe_intermediate_size"], num_shared_experts=hf.get("n_shared_experts") or 0,
+                     first_k_dense_replace=hf.get("first_k_dense_replace", 0), layer_freq=hf.get("moe_layer_freq", 1),
+                     scoring=scoring, topk_method=method, num_groups=hf.get("n_group") or 1,
+                     topk_groups=hf.get("topk_group") or 1, normalize=bool(hf.get("norm_topk_prob", False)),
+                     scaling=float(hf.get("routed_scaling_factor", 1.0)))
