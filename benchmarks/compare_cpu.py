@@ -1,5 +1,10 @@
 """Side by side on one CPU machine: tokenmill, llama.cpp's llama-server and vLLM's CPU build, same weights,
-same `tokenmill bench` load, levels alternating between servers, results written to BENCHMARKS.md.
+same `tokenmill bench` load. Servers run one at a time (an idle server still holds memory and threads): each is
+started, swept over every level, and stopped before the next starts. Each level sends at least 16 requests and at
+least 4 x its concurrency. Writes a Markdown table and the raw JSON (``--out``, default benchmarks/results/).
+
+``--tokenmill-before DIR`` also serves an earlier tokenmill checkout (``git worktree add DIR COMMIT``) under the name
+"tokenmill-before": a before/after comparison in the same run.
 
 The peers are built or installed outside this repository (recipes: ../shared/ANCHORS.md):
   llama-server: build it from the llama.cpp tree of the llama-cpp-python sdist, then pass --llama-server PATH
@@ -9,7 +14,7 @@ The peers are built or installed outside this repository (recipes: ../shared/ANC
 A peer whose path is not given is skipped, and BENCHMARKS.md says so.
 
     python benchmarks/compare_cpu.py --llama-server /tmp/lcp/.../build/bin/llama-server \
-        --vllm-python /tmp/venv-vllm/bin/python
+        --vllm-python /tmp/venv-vllm/bin/python [--tokenmill-before /tmp/tokenmill-before]
 """
 
 from __future__ import annotations
@@ -67,11 +72,15 @@ def safetensors_copy(out: Path) -> Path:
 def servers(args) -> dict[str, dict]:
     gguf = str(default_model_path())
     found = {"tokenmill": {"port": 8001, "cmd": [sys.executable, "-m", "tokenmill", "serve", "--port", "8001"],
-                           "env": {}, "startup": 120}}
+                           "env": {}, "startup": 180}}
+    if args.tokenmill_before:
+        found["tokenmill-before"] = {"port": 8004, "startup": 180, "env": {"PYTHONPATH": args.tokenmill_before},
+                                     "cmd": [sys.executable, "-m", "tokenmill", "serve", "--port", "8004"]}
     if args.llama_server:
+        slots = max(int(c) for c in args.concurrency.split(","))
         found["llama.cpp"] = {"port": 8003, "env": {}, "startup": 120, "cmd": [
             args.llama_server, "-m", gguf, "--alias", "smollm2", "--host", "127.0.0.1", "--port", "8003",
-            "-t", "2", "-c", "16384", "-np", "16", "--no-webui", "--no-repack", "--metrics"]}
+            "-t", "2", "-c", str(1024 * slots), "-np", str(slots), "--no-webui", "--no-repack", "--metrics"]}
     if args.vllm_python:
         model_dir = safetensors_copy(Path(args.work) / "smollm2-safetensors")
         found["vLLM-CPU"] = {"port": 8002, "env": {"VLLM_CPU_KVCACHE_SPACE": "2"}, "startup": 600, "cmd": [
@@ -81,40 +90,33 @@ def servers(args) -> dict[str, dict]:
 
 
 def bench_all(args) -> dict[str, list[dict]]:
-    """Start each server once; run the levels round-robin, rotating which server goes first."""
-    found = servers(args)
-    procs = {}
-    try:
-        for name, s in found.items():
-            log = open(Path(args.work) / f"{name}.log", "w")
-            procs[name] = subprocess.Popen(s["cmd"], stdout=log, stderr=subprocess.STDOUT,
-                                           env={**os.environ, **s["env"]})
-        for name, s in found.items():
-            wait_ready(f"http://127.0.0.1:{s['port']}/v1/models", procs[name], s["startup"])
-        levels = [int(c) for c in args.concurrency.split(",")]
-        results: dict[str, list[dict]] = {name: [] for name in found}
-        for i, level in enumerate(levels):
-            order = list(found)[i % len(found):] + list(found)[:i % len(found)]
-            for name in order:
-                settings = {**DEFAULTS, "base_url": f"http://127.0.0.1:{found[name]['port']}/v1", "model": None,
+    """One server at a time: start it, run every level, stop it."""
+    levels = [int(c) for c in args.concurrency.split(",")]
+    results: dict[str, list[dict]] = {}
+    for name, s in servers(args).items():
+        log = open(Path(args.work) / f"{name}.log", "w")
+        proc = subprocess.Popen(s["cmd"], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **s["env"]})
+        try:
+            wait_ready(f"http://127.0.0.1:{s['port']}/v1/models", proc, s["startup"])
+            results[name] = []
+            for level in levels:
+                settings = {**DEFAULTS, "base_url": f"http://127.0.0.1:{s['port']}/v1", "model": None,
                             "concurrency": str(level), "input_len": args.input_len, "output_len": args.output_len,
-                            "num_prompts": args.prompts_per_stream * level, "warmup": 1, "vocab_size": 49152,
+                            "num_prompts": max(16, 4 * level), "warmup": 1, "vocab_size": 49152,
                             "seed": time.time_ns() % 2**31}  # fresh prompts: no server gets a warm prefix cache
                 settings["model"] = httpx.get(settings["base_url"] + "/models").json()["data"][0]["id"]
                 print(f"{name}: concurrency {level}", file=sys.stderr)
                 results[name] += run_sweep(settings)["levels"]
-        return results
-    finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            p.wait(60)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    return results
 
 
 def write_markdown(args, results: dict[str, list[dict]], path: Path) -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    lines = ["# Benchmarks", "",
+    lines = ["# tokenmill side by side", "",
              f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores ({cpu}), SmolLM2-135M-Instruct, "
              f"{args.input_len} random prompt tokens + {args.output_len} forced output tokens per request, streaming "
              f"/v1/completions, temperature 0; every server on the same machine, levels alternating.", "",
@@ -138,7 +140,9 @@ def write_markdown(args, results: dict[str, list[dict]], path: Path) -> None:
     if skipped:
         lines += ["", f"Not measured in this run: {', '.join(skipped)} (no path given)."]
     path.write_text("\n".join(lines) + "\n")
-    (Path(args.work) / "compare.json").write_text(json.dumps(results, indent=2))
+    raw = {"command": f"python benchmarks/compare_cpu.py {' '.join(sys.argv[1:])}", "date": time.strftime("%Y-%m-%d"),
+           "cpu": cpu, "results": results}
+    path.with_suffix(".json").write_text(json.dumps(raw, indent=2) + "\n")
 
 
 def main() -> int:
@@ -148,11 +152,13 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--prompts-per-stream", type=int, default=2, help="requests per concurrent stream")
+    parser.add_argument("--tokenmill-before", help="an earlier tokenmill checkout to serve beside this one")
     parser.add_argument("--work", default="/tmp/tokenmill-compare")
-    parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare-cpu.md"),
+                        help="Markdown table; the raw JSON goes beside it (.json)")
     args = parser.parse_args()
     Path(args.work).mkdir(parents=True, exist_ok=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     results = bench_all(args)
     write_markdown(args, results, Path(args.out))
     print(Path(args.out).read_text())

@@ -34,3 +34,29 @@ def test_tiny_sweep_agrees_with_server_metrics(fp32_server, tmp_path):
     assert "| 3 |" in markdown_table(report)
     table = compare(str(before), str(after))
     assert "| 1 | output_tok_per_s |" in table and "+100.0%" in table
+
+
+def test_a_level_where_every_request_fails_is_an_error(fp32_server, capsys):
+    """A wrong model name (404 on every request) and a wrong address (nothing listening) exit non-zero with the
+    first error's message, never a table of zeros."""
+    from tests.live_server import free_port
+    from tokenmill.bench.sweep import main
+
+    common = ["--concurrency", "2", "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--warmup", "0",
+              "--vocab-size", "49152"]
+    assert main(["--base-url", fp32_server.base_url, "--api-key", API_KEY, "--model", "no-such-model", *common]) == 1
+    err = capsys.readouterr().err
+    assert "every request at concurrency 2 failed" in err and "HTTP 404" in err and "no-such-model" in err
+    assert main(["--base-url", f"http://127.0.0.1:{free_port()}/v1", *common]) == 1
+    assert "cannot list the models" in capsys.readouterr().err
+
+
+def test_base_url_with_or_without_v1(fp32_server):
+    from tokenmill.bench.loadgen import normalize_base_url
+
+    root = fp32_server.root
+    assert normalize_base_url(root) == normalize_base_url(root + "/") == normalize_base_url(root + "/v1/") \
+        == fp32_server.base_url
+    settings = {**DEFAULTS, "base_url": root, "model": MODEL, "api_key": API_KEY, "concurrency": "1",
+                "input_len": 8, "output_len": 2, "num_prompts": 1, "warmup": 0, "seed": 1, "vocab_size": 49152}
+    assert run_sweep(settings)["levels"][0]["completed"] == 1

@@ -55,6 +55,20 @@ def _body(spec: LoadSpec, prompt: Any, detokenize: Callable[[list[int]], str] | 
     return "/completions", {**common, "prompt": prompt}
 
 
+def _error_message(body: str) -> str:
+    """An OpenAI error body's message, else the body's start."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body[:300]
+
+
+def normalize_base_url(url: str) -> str:
+    """``http://host:port``, ``.../`` and ``.../v1`` all mean the OpenAI API root ``http://host:port/v1``."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
 def _chunk_text(event: dict) -> str:
     choices = event.get("choices") or []
     if not choices:
@@ -73,7 +87,7 @@ async def one_request(client: httpx.AsyncClient, spec: LoadSpec, prompt: Any,
         async with client.stream("POST", spec.base_url.rstrip("/") + path, json=body) as response:
             if response.status_code != 200:
                 await response.aread()
-                result.error = f"HTTP {response.status_code}"
+                result.error, result.detail = f"HTTP {response.status_code}", _error_message(response.text)
                 return result
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
@@ -83,14 +97,14 @@ async def one_request(client: httpx.AsyncClient, spec: LoadSpec, prompt: Any,
                     break
                 event = json.loads(data)
                 if "error" in event:
-                    result.error = "stream error"
+                    result.error, result.detail = "stream error", str(event["error"].get("message", event["error"]))
                     return result
                 if _chunk_text(event):
                     result.chunk_times.append(time.perf_counter())
                 usage = event.get("usage") or usage
         result.ok = True
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        result.error = type(exc).__name__
+        result.error, result.detail = type(exc).__name__, str(exc)
     finally:
         result.end = time.perf_counter()
     if usage:

@@ -17,7 +17,8 @@ class RequestResult:
     output_tokens: int = 0
     # Arrival time of every streamed chunk that carried output.
     chunk_times: list[float] = field(default_factory=list)
-    error: str | None = None
+    error: str | None = None  # the kind: "HTTP 404", "stream error", "ConnectError", ...
+    detail: str = ""  # the server's error message or the exception's text
     # True when the server reported usage; otherwise output_tokens counts chunks.
     usage_reported: bool = True
 

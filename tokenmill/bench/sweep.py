@@ -14,7 +14,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.loadgen import LoadSpec, dataset_prompts, random_prompts, run_level, scrape_metrics
+from tokenmill.bench.loadgen import (LoadSpec, dataset_prompts, normalize_base_url, random_prompts, run_level,
+                                     scrape_metrics)
 from tokenmill.bench.report import markdown_table, write_plots
 from tokenmill.bench.stats import RequestResult, summarize
 
@@ -99,8 +100,13 @@ def _detokenizer(settings: dict):
     return tokenizer.decode
 
 
+class BenchError(RuntimeError):
+    """A level in which no request succeeded: an error to report, not a row of zeros."""
+
+
 def run_sweep(settings: dict) -> dict:
-    spec = LoadSpec(settings["base_url"], settings["model"], settings["api_key"], settings["endpoint"],
+    """Every level in turn; raises BenchError when every request of a level fails."""
+    spec = LoadSpec(normalize_base_url(settings["base_url"]), settings["model"], settings["api_key"], settings["endpoint"],
                     settings["output_len"])
     detokenize = _detokenizer(settings)
     levels = [int(c) for c in str(settings["concurrency"]).split(",")]
@@ -116,6 +122,10 @@ def run_sweep(settings: dict) -> dict:
         if warmup:
             asyncio.run(run_level(spec, prompts[:warmup], concurrency, None, detokenize))
         results, server = asyncio.run(_level(spec, prompts[warmup:], concurrency, settings, detokenize))
+        if results and not any(r.ok for r in results):
+            first = results[0]
+            raise BenchError(f"every request at concurrency {concurrency} failed ({len(results)} of {len(results)}); "
+                             f"the first: {first.error}: {first.detail}")
         level = {"concurrency": concurrency, **summarize(results, settings["hourly_cost"]), "server": server}
         report["levels"].append(level)
     return report
@@ -130,11 +140,17 @@ def _settings(args: argparse.Namespace) -> dict:
     unknown = set(settings) - set(DEFAULTS)
     if unknown:
         raise SystemExit(f"tokenmill bench: unknown [benchmark] settings: {', '.join(sorted(unknown))}")
+    settings["base_url"] = normalize_base_url(settings["base_url"])
     if settings["model"] is None:
         import httpx
         headers = {"Authorization": f"Bearer {settings['api_key']}"} if settings["api_key"] else {}
-        models = httpx.get(settings["base_url"].rstrip("/") + "/models", headers=headers, timeout=10).json()
-        settings["model"] = models["data"][0]["id"]
+        url = settings["base_url"] + "/models"
+        try:
+            response = httpx.get(url, headers=headers, timeout=10)
+            settings["model"] = response.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            raise BenchError(f"cannot list the models at {url} (pass --model, or check --base-url): "
+                             f"{type(exc).__name__}: {exc}") from None
     if settings["vocab_size"] is None:
         settings["vocab_size"] = 32000  # a floor most tokenizers exceed; pass --vocab-size for others
     return settings
@@ -176,8 +192,12 @@ def main(argv: list[str] | None = None) -> int:
             kind = int
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
                             help=f"(default: {default})")
-    settings = _settings(parser.parse_args(argv))
-    report = run_sweep(settings)
+    try:
+        settings = _settings(parser.parse_args(argv))
+        report = run_sweep(settings)
+    except BenchError as exc:
+        print(f"tokenmill bench: error: {exc}", file=sys.stderr)
+        return 1
     print(markdown_table(report))
     if settings["out"]:
         out = Path(settings["out"])
