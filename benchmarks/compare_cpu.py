@@ -75,6 +75,7 @@ def servers(args) -> dict[str, dict]:
                            "env": {}, "startup": 180}}
     if args.tokenmill_before:
         found["tokenmill-before"] = {"port": 8004, "startup": 180, "env": {"PYTHONPATH": args.tokenmill_before},
+                                     "cwd": args.tokenmill_before,  # the working directory comes first on sys.path
                                      "cmd": [sys.executable, "-m", "tokenmill", "serve", "--port", "8004"]}
     if args.llama_server:
         slots = max(int(c) for c in args.concurrency.split(","))
@@ -95,7 +96,8 @@ def bench_all(args) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {}
     for name, s in servers(args).items():
         log = open(Path(args.work) / f"{name}.log", "w")
-        proc = subprocess.Popen(s["cmd"], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **s["env"]})
+        proc = subprocess.Popen(s["cmd"], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **s["env"]},
+                                cwd=s.get("cwd", ROOT))
         try:
             wait_ready(f"http://127.0.0.1:{s['port']}/v1/models", proc, s["startup"])
             results[name] = []

@@ -123,10 +123,18 @@ def test_tpot_histogram_is_the_mean_inter_token_latency_per_request(fp32_server)
                        sample_value(samples[name], name + "_count", model_name=MODEL))
                 for name in ("tokenmill:time_per_output_token_seconds", "tokenmill:inter_token_latency_seconds")}
 
-    before = totals()
+    def decode_steps():
+        samples = metric_samples(fp32_server)
+        return [sample_value(samples[name], name + "_total", model_name=MODEL)
+                for name in ("tokenmill:engine_decode_steps", "tokenmill:engine_decode_step_seconds")]
+
+    before, steps_before = totals(), decode_steps()
     httpx.post(fp32_server.base_url + "/completions", headers=HEADERS, json={
-        "model": MODEL, "prompt": "Hello", "max_tokens": 12, "ignore_eos": True, "stream": True}).raise_for_status()
-    after = totals()
+        "model": MODEL, "prompt": "Hello there, how are you?", "max_tokens": 12, "ignore_eos": True,
+        "stream": True}).raise_for_status()
+    after, steps_after = totals(), decode_steps()
+    # 12 tokens: the prompt's prefill step samples the first, 11 pure decode steps the rest.
+    assert steps_after[0] - steps_before[0] == 11 and steps_after[1] > steps_before[1]
     (tpot_sum, tpot_count), (itl_sum, itl_count) = (
         tuple(a - b for a, b in zip(after[name], before[name])) for name in after)
     # One request of 12 tokens: one TPOT observation = (last - first) / 11 = the mean of its 11 inter-token gaps.

@@ -45,6 +45,7 @@ class EngineCore:
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_aborted_total = 0
+        self.num_decode_steps_total, self.decode_step_seconds_total = 0, 0.0
         spec = loaded.kv_cache.spec
         self.info = EngineInfo(
             model_name=config.served_model_name or checkpoint.name, max_model_len=loaded.max_model_len,
@@ -79,10 +80,12 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
         return EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions_total,
-                           self.num_aborted_total, resident_memory_bytes())
+                           self.num_aborted_total, resident_memory_bytes(), self.num_decode_steps_total,
+                           self.decode_step_seconds_total)
 
     # --- the step
     def step(self) -> StepOutputs:
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         result = self.runner.execute(out)
         if out.is_empty:
@@ -92,6 +95,9 @@ class EngineCore:
         now = time.monotonic()
         outputs = [self._report(request, result.sampled[request.request_id], result.logprobs.get(request.request_id),
                                 now) for request in scheduled]
+        if out.total_num_scheduled_tokens == len(out.num_scheduled_tokens):  # a pure decode step
+            self.num_decode_steps_total += 1
+            self.decode_step_seconds_total += time.perf_counter() - start
         return StepOutputs(outputs, self.stats())
 
     def _report(self, request: Request, token: int, logprobs, now: float) -> RequestOutput:

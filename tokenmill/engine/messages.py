@@ -54,6 +54,10 @@ class EngineStats:
     num_preemptions_total: int = 0
     num_aborted_total: int = 0
     resident_memory_bytes: int = 0  # of the process the engine core runs in
+    # Pure decode steps (every scheduled request computes one token) and the wall time spent in them: their ratio
+    # is the engine's own time per output token, to set against the TPOT that clients see.
+    num_decode_steps_total: int = 0
+    decode_step_seconds_total: float = 0.0
 
 
 @dataclass

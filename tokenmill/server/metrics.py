@@ -54,6 +54,10 @@ class _EngineCollector(Collector):
              stats.num_preemptions_total),
             ("requests_aborted", "Requests aborted before finishing (client gone, cancelled).",
              stats.num_aborted_total),
+            ("engine_decode_steps", "Engine steps in which every scheduled request decoded one token.",
+             stats.num_decode_steps_total),
+            ("engine_decode_step_seconds", "Wall time of those steps (mean decode step = its rate / the steps' rate).",
+             stats.decode_step_seconds_total),
         ):
             counter = CounterMetricFamily(P + name, doc, labels=["model_name"])
             counter.add_metric([self.model], value)
