@@ -121,7 +121,8 @@ def write_markdown(args, results: dict[str, list[dict]], path: Path) -> None:
     lines = ["# tokenmill side by side", "",
              f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores ({cpu}), SmolLM2-135M-Instruct, "
              f"{args.input_len} random prompt tokens + {args.output_len} forced output tokens per request, streaming "
-             f"/v1/completions, temperature 0; every server on the same machine, levels alternating.", "",
+             f"/v1/completions, temperature 0; every server on the same machine, one at a time (started, swept, "
+             f"stopped).", "",
              f"Command: `python benchmarks/compare_cpu.py {' '.join(sys.argv[1:])}`", "",
              "| server | concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
              "errors |", "|---|---|---|---|---|---|---|---|"]
