@@ -61,12 +61,12 @@ DEEPSEEK = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=256, hidden_
                          ids=["gqa", "mla"])
 @pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
 def test_long_prefill_takes_the_flash_kernel(cls, config, kv_dtype):
-    """A 1,024-token prompt in one chunk (no prefix) and in two 512-token chunks (the second over a cached
+    """A 512-token prompt in one chunk (no prefix) and in two 256-token chunks (the second over a cached
     prefix): every attention call is the fused flash kernel."""
     model = _random_model(cls, config)
-    ids = torch.randint(0, 256, (1024,), generator=torch.Generator().manual_seed(1)).tolist()
-    for chunk in (None, 512):
-        cache = KVCache(model.kv_cache_spec(kv_dtype, 16), num_blocks=70, device="cpu")
+    ids = torch.randint(0, 256, (512,), generator=torch.Generator().manual_seed(1)).tolist()
+    for chunk in (None, 256):
+        cache = KVCache(model.kv_cache_spec(kv_dtype, 16), num_blocks=40, device="cpu")
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             logits = teacher_forced_logits(model, cache, ids, chunk=chunk)
         names = [e.name for e in prof.events()]

@@ -94,8 +94,11 @@ def test_served_chat_stream(tmp_path, smollm_llm):
 
     path = tmp_path / "tiny-v3"
     make_deepseek_checkpoint(path, smollm_llm, "v3-q-lora")
-    server = start_server(tmp_path, "--kv-cache-memory", "8MiB", "--max-model-len", "256", *FP32, str(path))
+    # The engine on a thread of the API process (--no-engine-process): the in-process transport serves too.
+    server = start_server(tmp_path, "--kv-cache-memory", "8MiB", "--max-model-len", "256", *FP32,
+                          "--no-engine-process", str(path))
     try:
+        assert "engine process started" not in server.log()
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         chunks = list(client.chat.completions.create(
             model=path.name, messages=[{"role": "user", "content": "Hello"}], max_tokens=12, stream=True,

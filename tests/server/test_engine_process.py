@@ -1,6 +1,7 @@
 """The engine core runs in a child process of `tokenmill serve`; when that child dies, the API process says so:
 in-flight requests end with an OpenAI-shaped error (an error event in a stream, a 500 body otherwise), /ready and
-/health turn 503 (a supervisor restarts the pod), new requests get 503. And --no-engine-process serves too."""
+/health turn 503 (a supervisor restarts the pod), new requests get 503. (--no-engine-process, the engine on a thread
+of the API process, serves the tiny DeepSeek in tests/models/test_deepseek.py.)"""
 
 import os
 import re
@@ -9,7 +10,6 @@ import threading
 import time
 
 import httpx
-import openai
 
 from tests.live_server import FP32, MODEL, start_server, stop_server
 
@@ -56,14 +56,3 @@ def test_killed_engine_fails_requests_readiness_and_health(tmp_path):
     finally:
         stop_server(server)
 
-
-def test_in_process_engine_serves(tmp_path):
-    server = start_server(tmp_path, *FP32, "--no-engine-process")
-    try:
-        assert "engine process started" not in server.log()
-        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-        out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5,
-                                        temperature=0)
-        assert out.usage.completion_tokens == 5 and out.choices[0].text
-    finally:
-        stop_server(server)

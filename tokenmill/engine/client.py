@@ -83,9 +83,6 @@ class EngineClient:
     async def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         return await self._off_loop(self.tokenizer.apply_chat_template, messages)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
-
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 

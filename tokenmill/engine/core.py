@@ -46,6 +46,7 @@ class EngineCore:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_aborted_total = 0
         self.num_decode_steps_total, self.decode_step_seconds_total = 0, 0.0
+        self._rss, self._rss_time = 0, float("-inf")  # read at most once a second, not every step
         spec = loaded.kv_cache.spec
         self.info = EngineInfo(
             model_name=config.served_model_name or checkpoint.name, max_model_len=loaded.max_model_len,
@@ -79,8 +80,11 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
+        now = time.monotonic()
+        if now - self._rss_time > 1.0:
+            self._rss, self._rss_time = resident_memory_bytes(), now
         return EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions_total,
-                           self.num_aborted_total, resident_memory_bytes(), self.num_decode_steps_total,
+                           self.num_aborted_total, self._rss, self.num_decode_steps_total,
                            self.decode_step_seconds_total)
 
     # --- the step

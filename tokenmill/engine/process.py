@@ -121,6 +121,7 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
         self.process: mp.process.BaseProcess | None = None
+        self._poller: zmq.Poller | None = None
         self._receiver: threading.Thread | None = None
         self._stopping = False
 
@@ -134,7 +135,10 @@ class EngineProcess:
         # whatever way this process exits (this hook runs before multiprocessing's).
         atexit.register(self.stop)
         log.info("engine process started (pid %d)", self.process.pid)
-        kind, payload = self._receive(timeout_ms=None)
+        self._poller = zmq.Poller()  # the child's output socket and its process sentinel, watched together
+        self._poller.register(self._pull, zmq.POLLIN)
+        self._poller.register(self.process.sentinel, zmq.POLLIN)
+        kind, payload = self._receive()
         if kind != _READY:
             raise EngineDeadError(f"the engine failed to start: {payload}")
         info = msgspec.msgpack.decode(payload, type=EngineInfo)
@@ -170,13 +174,10 @@ class EngineProcess:
         with self._send_lock:
             self._push.send_multipart([kind, self._encoder.encode(payload)], copy=False)
 
-    def _receive(self, timeout_ms: int | None) -> tuple[bytes, bytes]:
+    def _receive(self) -> tuple[bytes, bytes]:
         """The next frame from the child; raises EngineDeadError if the child exits first."""
-        poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
-        poller.register(self.process.sentinel, zmq.POLLIN)
         while True:
-            events = dict(poller.poll(_POLL_MS if timeout_ms is None else timeout_ms))
+            events = dict(self._poller.poll(_POLL_MS))
             if self._pull in events:
                 kind, payload = self._pull.recv_multipart()
                 if kind == _ERROR:
@@ -184,14 +185,12 @@ class EngineProcess:
                 return kind, payload
             if self.process.sentinel in events or not self.process.is_alive():
                 raise EngineDeadError(f"the engine process exited (exit code {self.process.exitcode})")
-            if timeout_ms is not None:
-                raise TimeoutError
 
     def _receive_loop(self, on_step: OnStep, on_dead: OnDead) -> None:
         decoder = msgspec.msgpack.Decoder(StepOutputs)
         try:
             while not self._stopping:
-                kind, payload = self._receive(timeout_ms=None)
+                kind, payload = self._receive()
                 if kind == _STEP:
                     on_step(decoder.decode(payload))
         except EngineDeadError as exc:

@@ -7,7 +7,7 @@ router) are decided once. Pure Python: ``tokenmill plan`` imports it without tor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
@@ -85,17 +85,12 @@ class ModelConfig:
     moe: MoEConfig | None = None
     # fp8 block quantization (DeepSeek-V3's format): the (rows, cols) block of one weight scale; None = unquantized.
     fp8_weight_block: tuple[int, int] | None = None
-    hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def attention_kind(self) -> str:
         if self.mla:
             return "MLA"
         return "MHA" if self.num_kv_heads == self.num_heads else "GQA"
-
-    @property
-    def is_deepseek(self) -> bool:
-        return self.architecture.startswith("Deepseek")
 
     def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int) -> KVCacheSpec:
         """MLA: one slot per token and layer holding the latent and the roped key, nothing per head;
@@ -131,7 +126,7 @@ class ModelConfig:
             # Qwen2 has q/k/v biases without saying so in its config.
             attention_bias=bool(hf.get("attention_bias", False)) or architecture == "Qwen2ForCausalLM",
             rope=rope_parameters(hf), eos_token_ids=tuple(dict.fromkeys(eos)), mla=mla, moe=_moe(hf, architecture),
-            fp8_weight_block=tuple(quant.get("weight_block_size") or (128, 128)) if quant else None, hf=hf)
+            fp8_weight_block=tuple(quant.get("weight_block_size") or (128, 128)) if quant else None)
 
 
 def _mla(hf: dict[str, Any], architecture: str) -> MLAConfig | None:

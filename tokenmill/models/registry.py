@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tokenmill.models.config import ModelConfig
+from tokenmill.models.config import KNOWN_ARCHITECTURES, ModelConfig
 from tokenmill.models.deepseek import DeepseekForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 
@@ -15,6 +15,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }
+
+
+assert set(_MODELS) == set(KNOWN_ARCHITECTURES), "models/config.py must know every architecture served here"
 
 
 def model_class_for(config: ModelConfig) -> type[nn.Module]:
