@@ -1,6 +1,6 @@
 """Time to first token of one long prompt on the offline engine, and where the prefill's time goes.
 
-    python benchmarks/prefill.py [--prompt-len 2000] [--repeats 3] [--out benchmarks/results/prefill.json]
+    python benchmarks/prefill.py [--prompt-len 2000] [--repeats 3] [--dtype auto] [--out benchmarks/results/prefill.json]
 
 For each SDPA backend setting (``fused``: what the engine picks; ``math``: SDPA forced onto its unfused fallback,
 i.e. what tokenmill ran before the fix) it times ``repeats`` prefills of a random prompt of exactly
@@ -58,11 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-len", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="auto", help="the engine's compute dtype (auto: measured at start-up)")
     parser.add_argument("--out", default="benchmarks/results/prefill.json")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
 
-    llm = LLM(max_model_len=max(2048, args.prompt_len + 8))
+    llm = LLM(max_model_len=max(2048, args.prompt_len + 8), dtype=args.dtype)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, llm.tokenizer.vocab_size, (args.repeats + 2, args.prompt_len), generator=gen).tolist()
     _prefill(llm, prompts[-1][:64], "fused")  # warm-up
