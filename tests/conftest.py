@@ -7,6 +7,11 @@ import os
 # Triton kernels run through Triton's CPU interpreter in the tests (read by triton when a kernel module is first
 # imported, so it must be set before any test imports one). A GPU run sets TRITON_INTERPRET=0 explicitly.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines in the tests (and the servers they start, which inherit the environment) run eagerly with torch's own thread
+# count: compiling and timing thread layouts at every start-up would cost minutes of CI. tests/models/test_compile.py
+# and tests/engine/test_warmup.py cover both, and set them explicitly.
+os.environ.setdefault("TOKENMILL_ENFORCE_EAGER", "1")
+os.environ.setdefault("TOKENMILL_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

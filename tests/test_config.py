@@ -12,12 +12,12 @@ def test_precedence_cli_env_toml_default(tmp_path, monkeypatch):
     assert cfg.block_size == 32  # toml over default
     assert cfg.max_num_seqs == 8  # env over toml
     assert cfg.seed == 7  # explicit over env
-    assert cfg.kv_cache_dtype == "fp8"  # default
+    assert cfg.kv_cache_dtype == "auto"  # default
     assert load_config(toml, seed=None).seed == 6  # None means "flag not given"
 
 
 @pytest.mark.parametrize("field,value,needle", [
-    ("kv_cache_dtype", "int4", "'fp8', 'bf16', 'fp16' or 'fp32'"),
+    ("kv_cache_dtype", "int4", "'auto', 'fp8', 'bf16', 'fp16' or 'fp32'"),
     ("block_size", 0, "greater than 0"),
     ("device", "tpu", "'auto', 'cpu' or 'cuda'"),
     ("kv_cache_memory", "lots", "not a byte size"),
@@ -48,3 +48,9 @@ def test_byte_sizes():
     assert parse_byte_size("2GiB") == 2 * 2**30
     assert parse_byte_size("512MB") == 512 * 10**6
     assert parse_byte_size(1000) == 1000
+
+
+@pytest.mark.parametrize("device,expected", [("cpu", "bf16"), ("cuda", "fp8")])
+def test_auto_kv_cache_dtype_is_fp8_on_cuda_and_bf16_on_a_cpu(device, expected):
+    assert load_config(device=device).resolved_kv_cache_dtype() == expected
+    assert load_config(device=device, kv_cache_dtype="fp8").resolved_kv_cache_dtype() == "fp8"

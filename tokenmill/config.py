@@ -61,7 +61,9 @@ class EngineConfig(BaseSettings):
                                  "kernel_cache_dir")
     kernel_cache_dir: str = Field("~/.cache/tokenmill/kernels", description="where autotuned configs are kept")
     # --- KV cache
-    kv_cache_dtype: Literal["fp8", "bf16", "fp16", "fp32"] = "fp8"
+    kv_cache_dtype: Literal["auto", "fp8", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="auto = fp8 on CUDA (native fp8 reads in the Triton kernels), bf16 on a CPU (the CPU has "
+                            "no vector fp8 conversion: widening an fp8 cache cost more than its halved reads)")
     block_size: int = Field(16, gt=0, le=1024)
     kv_cache_memory: int = Field(2 * 2**30, gt=0, description="KV cache bytes on CPU (accepts '2GiB')")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
@@ -70,7 +72,13 @@ class EngineConfig(BaseSettings):
     max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one engine step")
     # --- runtime
     seed: int = 0
-    num_threads: int | None = Field(None, gt=0, description="torch CPU threads; None = torch's default")
+    num_threads: int | None = Field(
+        None, gt=0, description="torch CPU threads of the engine; None = chosen at start-up by timing the decode step "
+                                "with every core and with one core left to the API process")
+    enforce_eager: bool = Field(False, description="run the model eagerly; otherwise on a CPU the layer stack is "
+                                                   "compiled with torch.compile and warmed up at start-up")
+    compile_cache_dir: str = Field("~/.cache/tokenmill/inductor", description="torch.compile's generated code, "
+                                                                             "kept across restarts")
     # --- server (used by `tokenmill serve` only)
     host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 to listen on every interface")
     port: int = Field(8000, ge=0, le=65535)
@@ -99,6 +107,11 @@ class EngineConfig(BaseSettings):
         if self.api_key_file is not None and not Path(self.api_key_file).is_file():
             raise ValueError(f"api_key_file does not exist: {self.api_key_file}")
         return self
+
+    def resolved_kv_cache_dtype(self) -> str:
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        return "fp8" if self.resolved_device() == "cuda" else "bf16"
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -15,6 +15,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.messages import EngineInfo, EngineRequest, EngineStats, RequestOutput, StepOutputs
 from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.warmup import prepare_cpu
 from tokenmill.engine.worker import load_model_and_cache
 from tokenmill.kvcache.manager import KVCacheManager
 from tokenmill.models.config import ModelConfig
@@ -39,6 +40,8 @@ class EngineCore:
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config, checkpoint.generation_config,
                                                 self.tokenizer.eos_token_id)
         loaded = load_model_and_cache(checkpoint, self.model_config, config)
+        if loaded.device.type == "cpu":
+            prepare_cpu(loaded.model, loaded.kv_cache, config)
         self.runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, config.max_num_seqs,
                                   loaded.max_model_len, self.model_config.eos_token_ids, config.seed)
         kv = KVCacheManager(loaded.kv_cache.num_blocks, config.block_size)

@@ -75,7 +75,7 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
 def kernel_choice(config: EngineConfig, device: torch.device, fp8_weights: bool) -> KernelChoice:
     try:
         backend = resolve_kernel_backend(config.kernel_backend, device,
-                                         fp8=fp8_weights or config.kv_cache_dtype == "fp8")
+                                         fp8=fp8_weights or config.resolved_kv_cache_dtype() == "fp8")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     tuner = None
@@ -101,7 +101,7 @@ def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, conf
         raise ModelLoadError(f"cannot build the model from {checkpoint.path}: {exc}") from None
     model = model.to_device(device, dtype).eval()
 
-    spec = model.kv_cache_spec(config.kv_cache_dtype, config.block_size)
+    spec = model.kv_cache_spec(config.resolved_kv_cache_dtype(), config.block_size)
     num_blocks = spec.num_blocks_for(_kv_budget(config, device)) - 1  # one block is the cache's null block
     capacity = num_blocks * spec.block_size
     max_model_len = config.max_model_len or model.max_position

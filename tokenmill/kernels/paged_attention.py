@@ -17,8 +17,9 @@ NaN included) never reach a result.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from tokenmill.kernels.kv_write import FP8_TO_FP16_FACTOR, fp8_bits_as_fp16
+from tokenmill.kernels.kv_write import FP8_TO_FP16_FACTOR, dequantize, fp8_bits_as_fp16
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kernels.sdpa import prefix_causal_attention
 
@@ -32,52 +33,70 @@ def token_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_tokens: 
 
 
 def _gather(data: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype
-            ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """Cache entries at ``slots`` [..., N] as contiguous head-major K and V: ([k, v] each [..., Hkv, N, D] in
-    ``dtype``, [k_scale, v_scale] each [..., Hkv, N] or None for 16/32-bit caches).
-
-    Contiguous head-major tensors let the products run as plain batched GEMMs. fp8 values are left unscaled
-    (value = returned * scale, the scale including the bit-trick factor) so that callers can fold the scales
-    into the smaller score and weight tensors.
-    """
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized cache entries at flat ``slots`` [..., N] -> (k, v) each [..., N, Hkv, D] in ``dtype``: views
+    of one gathered tensor (strided; SDPA and the GEMMs read them without another copy)."""
     num_slots, dim = data.shape[-2:]
     hkv = num_slots // 2
-    entries = data.view(-1, num_slots, dim)[slots]  # [..., N, 2Hkv, D]
-    # Transposing before the conversion moves 1-byte fp8 elements rather than floats.
-    halves = [entries[..., :hkv, :].movedim(-2, -3).contiguous(), entries[..., hkv:, :].movedim(-2, -3).contiguous()]
-    if scales is None:
-        return [h.to(dtype) for h in halves], None
-    scale = scales.view(-1, num_slots)[slots].movedim(-1, -2) * FP8_TO_FP16_FACTOR  # [..., 2Hkv, N]
-    return [fp8_bits_as_fp16(h).to(dtype) for h in halves], [scale[..., :hkv, :], scale[..., hkv:, :]]
+    flat = data.view(-1, num_slots, dim)
+    index = slots.reshape(-1)
+    scale = None if scales is None else torch.index_select(scales.view(-1, num_slots), 0, index)  # [S, 2Hkv]
+    entries = dequantize(torch.index_select(flat, 0, index), scale, dtype).view(*slots.shape, num_slots, dim)
+    return entries[..., :hkv, :], entries[..., hkv:, :]
 
 
 def _decode_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
                       valid: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """q [B, Hq, D] one query per request over slots [B, N] (valid [B, N]) -> [B, Hq, D]; float32 inside."""
+    if scales is not None:
+        return _decode_attention_fp8(q, data, scales, slots, valid, sm_scale)
     batch, hq, dim = q.shape
-    (k, v), scale = _gather(data, scales, slots, torch.float32)  # [B, Hkv, N, D], [B, Hkv, N]
-    hkv = k.shape[1]
+    k, v = _gather(data, None, slots, torch.float32)  # [B, N, Hkv, D]
+    out = F.scaled_dot_product_attention(  # q [B, Hq, 1, D] over k, v [B, Hkv, N, D]
+        q.float().unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+        scale=sm_scale, enable_gqa=hq != k.shape[2])
+    return out.view(batch, hq, dim).to(q.dtype)
+
+
+def _decode_attention_fp8(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor,
+                          valid: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """The fp8 cache: K's per-token scales fold into the scores and V's into the weights ([B, Hkv, G, N] each),
+    cheaper than scaling the widened [B, N, 2Hkv, D] entries; 1-byte codes move into head-major order before
+    widening, so the products run as plain batched GEMMs."""
+    batch, hq, dim = q.shape
+    num_slots = data.shape[-2]
+    hkv = num_slots // 2
+    index = slots.reshape(-1)
+    codes = torch.index_select(data.view(-1, num_slots, dim), 0, index).view(batch, -1, num_slots, dim)
+    # [B, Hkv, N, D] each, contiguous (so that matmul batches over B x Hkv without copying); value / 256.
+    k, v = (fp8_bits_as_fp16(codes[:, :, half].movedim(2, 1).contiguous()).float()
+            for half in (slice(0, hkv), slice(hkv, None)))
+    scale = torch.index_select(scales.view(-1, num_slots), 0, index).view(batch, -1, num_slots)
+    scale = (scale * FP8_TO_FP16_FACTOR).transpose(1, 2).unsqueeze(2)  # [B, 2Hkv, 1, N]
     qg = q.float().view(batch, hkv, hq // hkv, dim)
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * sm_scale  # [B, Hkv, G, N]
-    if scale is not None:  # K's per-token scale folds into the scores, V's into the weights
-        scores = scores * scale[0].unsqueeze(2)
-    weights = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
-    if scale is not None:
-        weights = weights * scale[1].unsqueeze(2)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * (scale[:, :hkv] * sm_scale)  # [B, Hkv, G, N]
+    weights = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1) * scale[:, hkv:]
     return torch.matmul(weights, v).reshape(batch, hq, dim).to(q.dtype)
 
 
 def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
                        scales: torch.Tensor | None, prefix_slots: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """q, k_new, v_new [L, H, D]: a chunk's own tokens, after the cached prefix at ``prefix_slots`` [P]."""
-    k, v = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [Hkv, L, D]
-    prefix_len = prefix_slots.shape[0]
-    if prefix_len:
-        (k_old, v_old), scale = _gather(data, scales, prefix_slots, q.dtype)  # [Hkv, P, D], [Hkv, P]
-        if scale is not None:
-            k_old, v_old = k_old * scale[0].unsqueeze(-1).to(q.dtype), v_old * scale[1].unsqueeze(-1).to(q.dtype)
-        k, v = torch.cat([k_old, k], dim=1), torch.cat([v_old, v], dim=1)
-    return prefix_causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), sm_scale)
+    k, v = k_new, v_new  # [L, Hkv, D]
+    if prefix_slots.shape[0]:
+        k_old, v_old = _gather(data, scales, prefix_slots, q.dtype)  # [P, Hkv, D]
+        k, v = torch.cat([k_old, k]), torch.cat([v_old, v])
+    return prefix_causal_attention(q, k, v, sm_scale)
+
+
+def _decode_slots(meta: AttentionMetadata, null_slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decodes' rows in the batch [B], cache slots [B, N] and valid positions [B, N] (built once per step)."""
+    tensors = meta.device_tensors(meta.block_tables.device)
+    lens = tensors.decode_seq_lens
+    max_len = meta.decode_max_len()
+    slots = token_slots(tensors.decode_block_tables, lens, max_len, meta.block_size, null_slot)
+    valid = torch.arange(max_len, device=lens.device) < lens[:, None]
+    return tensors.decode_rows, slots, valid
 
 
 def paged_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
@@ -85,12 +104,7 @@ def paged_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
     out = torch.empty_like(q)
     null_slot = (data.shape[0] - 1) * meta.block_size
     if meta.decode_indices:
-        idx = meta.decode_indices
-        rows = [meta.query_start_loc[i] for i in idx]
-        lens = torch.tensor([meta.seq_lens[i] for i in idx], device=q.device)
-        max_len = max(meta.seq_lens[i] for i in idx)
-        slots = token_slots(meta.block_tables[idx], lens, max_len, meta.block_size, null_slot)
-        valid = torch.arange(max_len, device=q.device) < lens[:, None]
+        rows, slots, valid = meta.derived(("decode_slots", null_slot), lambda: _decode_slots(meta, null_slot))
         out[rows] = _decode_attention(q[rows], data, scales, slots, valid, sm_scale)
     for i in meta.prefill_indices:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]

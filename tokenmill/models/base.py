@@ -1,7 +1,8 @@
 """What every decoder model shares: the layer loop, the logits, the move to a device, the weight check.
 
 A model subclass keeps its ``config`` (models/config.py), builds ``embed_tokens``, ``layers`` (each called as
-``layer(x, positions, meta, cache)``), ``norm``, ``lm_head`` and ``rotary``, and provides ``load_weights``.
+``layer(x, positions)``; attention reaches the step's metadata and cache through kernels/attention_op.py), ``norm``,
+``lm_head`` and ``rotary``, and provides ``load_weights``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.kernels.attention_op import attention_context
 from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kvcache.cache import KVCache
@@ -20,7 +22,11 @@ from tokenmill.models.layers.logits import logits_with_exact_top
 class DecoderLM(nn.Module):
     # Parameter-name suffixes kept in float32 whatever the compute dtype.
     fp32_params: tuple[str, ...] = ()
+    # Whether ``decoder`` traces into one graph for torch.compile (models/compile.py).
+    compilable: bool = True
     config: ModelConfig
+    # ``decoder`` as compiled by models/compile.py, or None (eager).
+    compiled_decoder = None
 
     @property
     def max_position(self) -> int:
@@ -32,9 +38,16 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        with attention_context(meta, kv_cache.data, kv_cache.scales):
+            if self.compiled_decoder is not None:
+                return self.compiled_decoder(input_ids, positions)
+            return self.decoder(input_ids, positions)
+
+    def decoder(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The layer stack, run inside an attention context: [T] ids, [T] positions -> [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, meta, kv_cache.layer(i))
+        for layer in self.layers:
+            x = layer(x, positions)
         return self.norm(x)
 
     def use_kernels(self, choice: KernelChoice) -> None:

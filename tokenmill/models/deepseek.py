@@ -30,18 +30,19 @@ class DeepseekLayer(nn.Module):
     def __init__(self, c: ModelConfig, index: int, rotary: RotaryEmbedding, fp8_block: tuple[int, int] | None):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = MLAttention(c, rotary)
+        self.self_attn = MLAttention(c, rotary, index)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         moe = c.moe is not None and c.moe.is_moe_layer(index)
         self.mlp = MoE(c.hidden_size, c.moe, fp8_block) if moe else SwiGLU(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, positions, meta, cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, cache)
+    def forward(self, x, positions):
+        x = x + self.self_attn(self.input_layernorm(x), positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DeepseekForCausalLM(DecoderLM):
     fp32_params = _FP32_PARAMS
+    compilable = False  # the MoE routes tokens with data-dependent shapes (per-expert token lists): eager for now
 
     def __init__(self, config: ModelConfig, kernels: KernelChoice = KernelChoice()):
         super().__init__()

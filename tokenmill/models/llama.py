@@ -17,16 +17,16 @@ from tokenmill.models.layers.rotary import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, a: ModelConfig, index: int, rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = PagedGQAttention(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
-                                          a.attention_bias, rotary)
+                                          a.attention_bias, rotary, index)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = SwiGLU(a.hidden_size, a.intermediate_size)
 
-    def forward(self, x, positions, meta, cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, cache)
+    def forward(self, x, positions):
+        x = x + self.self_attn(self.input_layernorm(x), positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -36,7 +36,7 @@ class LlamaForCausalLM(DecoderLM):
         a = self.config = config
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope)
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(a, self.rotary) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, i, self.rotary) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.requires_grad_(False)

@@ -5,10 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.kernels.attention_op import gqa_attention
 from tokenmill.kernels.backend import KernelChoice
-from tokenmill.kernels.kv_write import write_kv
-from tokenmill.kernels.metadata import AttentionMetadata
-from tokenmill.kernels.paged_attention import paged_attention
 from tokenmill.models.layers.rotary import RotaryEmbedding
 
 
@@ -16,8 +14,9 @@ class PagedGQAttention(nn.Module):
     kernels = KernelChoice()  # set per model by DecoderLM.use_kernels
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 rotary: RotaryEmbedding):
+                 rotary: RotaryEmbedding, layer_index: int):
         super().__init__()
+        self.layer_index = layer_index  # which of the step's cache layers (kernels/attention_op.py) is this one's
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # Fused projection: rows [q | k | v].
@@ -26,16 +25,12 @@ class PagedGQAttention(nn.Module):
         self.rotary = rotary
         self.sm_scale = head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                cache: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; writes this step's K/V into ``cache`` first."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; writes this step's K/V into the step's cache first."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.rotary.apply(q.view(tokens, self.num_heads, self.head_dim), positions)
         k = self.rotary.apply(k.view(tokens, self.num_kv_heads, self.head_dim), positions)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        data, scales = cache
-        write_kv(data, scales, torch.cat([k, v], dim=1), meta.slot_mapping,  # slots: K heads, then V heads
-                 backend=self.kernels.backend)
-        out = paged_attention(q, k, v, data, scales, meta, self.sm_scale, backend=self.kernels.backend)
+        out = gqa_attention(q, k, v, self.layer_index, self.sm_scale, self.kernels.backend)
         return self.o_proj(out.reshape(tokens, self.q_size))

@@ -14,10 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.kernels.attention_op import mla_attention_op
 from tokenmill.kernels.backend import KernelChoice
-from tokenmill.kernels.kv_write import write_kv
-from tokenmill.kernels.metadata import AttentionMetadata
-from tokenmill.kernels.mla import mla_attention
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, yarn_mscale
@@ -26,8 +24,9 @@ from tokenmill.models.layers.rotary import RotaryEmbedding, yarn_mscale
 class MLAttention(nn.Module):
     kernels = KernelChoice()  # set per model by DecoderLM.use_kernels
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_index: int):
         super().__init__()
+        self.layer_index = layer_index  # which of the step's cache layers (kernels/attention_op.py) is this one's
         c = config.mla
         hidden, self.heads = config.hidden_size, config.num_heads
         self.rank, self.rope_dim = c.kv_lora_rank, c.qk_rope_head_dim
@@ -56,8 +55,7 @@ class MLAttention(nn.Module):
             x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
         return self.rotary.apply(x, positions)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                cache: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
         q = q.view(tokens, self.heads, self.nope_dim + self.rope_dim)
@@ -65,8 +63,6 @@ class MLAttention(nn.Module):
         q_pe = self._rope(q_pe, positions)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), self._rope(k_pe.unsqueeze(1), positions).squeeze(1)], -1)
-        data, scales = cache
-        write_kv(data, scales, latent.unsqueeze(1), meta.slot_mapping, backend=self.kernels.backend)
-        out = mla_attention(q_nope, q_pe, latent, data, scales, meta, self.kv_b_proj.weight, self.sm_scale,
-                            backend=self.kernels.backend)
+        out = mla_attention_op(q_nope, q_pe, latent, self.kv_b_proj.weight, self.layer_index, self.sm_scale,
+                               self.kernels.backend)
         return self.o_proj(out.reshape(tokens, self.heads * self.v_dim))

@@ -1,0 +1,44 @@
+"""The compiled layer stack (models/compile.py) against the eager one, on a tiny Llama: the same greedy tokens and
+logits through chunked prefill and mixed batches, exactly two graphs compiled at warm-up and none while serving,
+and a restart served from the on-disk cache."""
+
+import torch
+from torch._dynamo.utils import counters
+
+from tests.helpers import teacher_forced_logits
+from tests.tiny_checkpoints import make_llama_checkpoint
+from tokenmill import LLM, SamplingParams
+
+ENGINE = dict(dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="16MiB", max_num_batched_tokens=8,
+              num_threads=2)
+
+
+def test_compiled_decoder_matches_eager_and_never_compiles_after_warm_up(tmp_path, smollm_llm):
+    model_dir, cache = tmp_path / "model", tmp_path / "inductor"
+    make_llama_checkpoint(model_dir, smollm_llm)
+    eager = LLM(model=str(model_dir), enforce_eager=True, **ENGINE)
+    graphs_before = counters["stats"]["unique_graphs"]
+    compiled = LLM(model=str(model_dir), enforce_eager=False, compile_cache_dir=str(cache), **ENGINE)
+    decoder = compiled.engine.runner.model.compiled_decoder
+    assert decoder is not None and decoder.sealed
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2  # one token, and two or more
+    assert any(cache.rglob("*")), "the generated code was not written to compile_cache_dir"
+
+    # Prompts of 1..23 tokens in 8-token steps: decodes alone, prefill chunks alone, and mixed batches.
+    prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (1, 5, 8, 9, 23)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    graphs_before = counters["stats"]["unique_graphs"]
+    assert [r.token_ids for r in compiled.generate(prompts, params)] == \
+        [r.token_ids for r in eager.generate(prompts, params)]
+    ids = prompts[-1]
+    for chunk in (None, 3, 1):
+        got = teacher_forced_logits(compiled.engine.runner.model, compiled.engine.runner.kv_cache, ids, chunk)
+        want = teacher_forced_logits(eager.engine.runner.model, eager.engine.runner.kv_cache, ids, chunk)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs_before, "serving compiled a new graph"
+
+    # A restart: dynamo forgets what it traced in this process; the compiled artifacts come from compile_cache_dir.
+    torch._dynamo.reset()
+    hits_before = counters["aot_autograd"]["autograd_cache_hit"]
+    LLM(model=str(model_dir), enforce_eager=False, compile_cache_dir=str(cache), **ENGINE)
+    assert counters["aot_autograd"]["autograd_cache_hit"] - hits_before == 2

@@ -1,0 +1,83 @@
+"""Attention as opaque ops over a per-step context, so that torch.compile can compile a model's forward whole.
+
+A step's ``AttentionMetadata`` (python lists that change every step) and the KV cache tensors never enter a compiled
+graph: ``attention_context`` publishes them for the duration of one forward, and the ops below read them by layer
+index. Inside a graph each op is a single node with a shape-only fake; the dense work around it (norms, RoPE,
+projections, residual adds, the MLP) is what the compiler fuses. The ops write this step's K/V (or MLA latents) into
+the cache, a side effect the graph cannot see and does not need to: the cache is not a graph input, and nothing in
+the graph reads it except these ops, which run in program order (each one's input depends on the previous one's
+output).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from tokenmill.kernels.kv_write import write_kv
+from tokenmill.kernels.metadata import AttentionMetadata
+from tokenmill.kernels.mla import mla_attention
+from tokenmill.kernels.paged_attention import paged_attention
+
+
+@dataclass(frozen=True)
+class StepContext:
+    meta: AttentionMetadata
+    data: list[torch.Tensor]  # per layer, the cache layout of kvcache/cache.py
+    scales: list[torch.Tensor | None]
+
+
+_current: StepContext | None = None
+
+
+@contextmanager
+def attention_context(meta: AttentionMetadata, data: list[torch.Tensor], scales: list[torch.Tensor | None]
+                      ) -> Iterator[None]:
+    """Publish one step's metadata and cache to the attention ops for the duration of a forward."""
+    global _current
+    previous, _current = _current, StepContext(meta, data, scales)
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def _step() -> StepContext:
+    if _current is None:
+        raise RuntimeError("attention op called outside attention_context (DecoderLM.forward sets it)")
+    return _current
+
+
+@torch.library.custom_op("tokenmill::gqa_attention", mutates_args=())
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sm_scale: float,
+                  backend: str) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] (roped) -> [T, Hq, D]; writes k/v into layer ``layer``'s cache first."""
+    step = _step()
+    data, scales = step.data[layer], step.scales[layer]
+    write_kv(data, scales, torch.cat([k, v], dim=1), step.meta.slot_mapping, backend=backend)  # K heads, then V
+    return paged_attention(q, k, v, data, scales, step.meta, sm_scale, backend=backend)
+
+
+@gqa_attention.register_fake
+def _(q, k, v, layer, sm_scale, backend):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("tokenmill::mla_attention", mutates_args=())
+def mla_attention_op(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor,
+                     layer: int, sm_scale: float, backend: str) -> torch.Tensor:
+    """q_nope [T, H, N], q_pe [T, H, P], latent [T, R + P] -> [T, H, V]; writes the latents into the cache first."""
+    step = _step()
+    data, scales = step.data[layer], step.scales[layer]
+    write_kv(data, scales, latent.unsqueeze(1), step.meta.slot_mapping, backend=backend)
+    return mla_attention(q_nope, q_pe, latent, data, scales, step.meta, w_kv_b, sm_scale, backend=backend)
+
+
+@mla_attention_op.register_fake
+def _(q_nope, q_pe, latent, w_kv_b, layer, sm_scale, backend):
+    heads, nope = q_nope.shape[1:]
+    v_dim = w_kv_b.shape[0] // heads - nope
+    return q_nope.new_empty(q_nope.shape[0], heads, v_dim)
