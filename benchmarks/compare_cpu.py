@@ -72,9 +72,9 @@ def safetensors_copy(out: Path) -> Path:
 def servers(args) -> dict[str, dict]:
     gguf = str(default_model_path())
     found = {"tokenmill": {"port": 8001, "cmd": [sys.executable, "-m", "tokenmill", "serve", "--port", "8001"],
-                           "env": {}, "startup": 180}}
+                           "env": {}, "startup": 600}}
     if args.tokenmill_before:
-        found["tokenmill-before"] = {"port": 8004, "startup": 180, "env": {"PYTHONPATH": args.tokenmill_before},
+        found["tokenmill-before"] = {"port": 8004, "startup": 600, "env": {"PYTHONPATH": args.tokenmill_before},
                                      "cwd": args.tokenmill_before,  # the working directory comes first on sys.path
                                      "cmd": [sys.executable, "-m", "tokenmill", "serve", "--port", "8004"]}
     if args.llama_server:

@@ -1,0 +1,93 @@
+"""Decode attention of one layer over the paged cache, by cache dtype, on this machine's CPU.
+
+The reference path (kernels/paged_attention.py) at SmolLM2's shapes (9 query heads, 3 KV heads, head size 64):
+each request decodes one token over a ``--context``-token history scattered over permuted blocks. The cache dtypes
+are timed alternately in one process (best of ``--repeats`` per round, best round kept), so the ratios hold even on
+a noisy machine. This is the measurement behind ``kv_cache_dtype=auto`` choosing bf16 on a CPU.
+
+    python benchmarks/decode_attention.py [--batch 1,16,32] [--context 320] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill.kernels.kv_write import write_kv_reference
+from tokenmill.kernels.metadata import AttentionMetadata
+from tokenmill.kernels.paged_attention import paged_attention_reference
+
+HQ, HKV, DIM, BLOCK = 9, 3, 64, 16
+STORAGE = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def decode_inputs(batch: int, context: int, kv_dtype: str):
+    blocks_per_request = -(-context // BLOCK)
+    num_blocks = batch * blocks_per_request
+    data = torch.zeros(num_blocks + 1, BLOCK, 2 * HKV, DIM, dtype=STORAGE[kv_dtype])
+    scales = torch.zeros(num_blocks + 1, BLOCK, 2 * HKV) if kv_dtype == "fp8" else None
+    tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).view(batch, blocks_per_request)
+    pos = torch.arange(context)
+    slots = (tables[:, pos // BLOCK] * BLOCK + pos % BLOCK).reshape(-1)
+    write_kv_reference(data, scales, torch.randn(slots.shape[0], 2 * HKV, DIM), slots)
+    meta = AttentionMetadata(slot_mapping=slots[context - 1::context], query_start_loc=list(range(batch + 1)),
+                             seq_lens=[context] * batch, block_tables=tables, block_size=BLOCK,
+                             decode_indices=list(range(batch)), prefill_indices=[])
+    q = torch.randn(batch, HQ, DIM)
+    return q, data, scales, meta
+
+
+def best_seconds(args: tuple, repeats: int) -> float:
+    q, data, scales, meta = args
+    times = []
+    for _ in range(repeats):
+        meta._derived.clear()  # the per-step slot table is built in every timed call, as in a real step's first layer
+        start = time.perf_counter()
+        paged_attention_reference(q, q[:, :HKV], q[:, :HKV], data, scales, meta, DIM ** -0.5)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", default="1,16,32")
+    parser.add_argument("--context", type=int, default=320)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", default="benchmarks/results/decode-attention.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for batch in (int(b) for b in args.batch.split(",")):
+        inputs = {kv: decode_inputs(batch, args.context, kv) for kv in STORAGE}
+        best = {kv: float("inf") for kv in STORAGE}
+        for _ in range(args.rounds):
+            for kv in STORAGE:
+                best[kv] = min(best[kv], best_seconds(inputs[kv], args.repeats))
+        row = {"batch": batch, "context": args.context, **{f"{kv}_ms": best[kv] * 1e3 for kv in STORAGE},
+               "fp8_over_bf16": best["fp8"] / best["bf16"]}
+        rows.append(row)
+        print(f"batch {batch:3d}: " + "  ".join(f"{kv} {best[kv] * 1e3:7.3f} ms" for kv in STORAGE)
+              + f"  fp8/bf16 {row['fp8_over_bf16']:.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": "python benchmarks/decode_attention.py " + " ".join(
+        f"--{k} {v}" for k, v in vars(args).items() if k != "out"), "machine": cpu_name(), "torch": torch.__version__, "threads": args.threads, "results": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
