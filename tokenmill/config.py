@@ -73,8 +73,8 @@ class EngineConfig(BaseSettings):
     # --- runtime
     seed: int = 0
     num_threads: int | None = Field(
-        None, gt=0, description="torch CPU threads of the engine; None = chosen at start-up by timing the decode step "
-                                "with every core and with one core left to the API process")
+        None, gt=0, description="torch CPU threads of the engine; None = every core, or one fewer (left to the API "
+                                "process) where the decode step, timed at start-up, is as fast")
     enforce_eager: bool = Field(False, description="run the model eagerly; otherwise on a CPU the layer stack is "
                                                    "compiled with torch.compile and warmed up at start-up")
     compile_cache_dir: str = Field("~/.cache/tokenmill/inductor", description="torch.compile's generated code, "

@@ -95,11 +95,13 @@ def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, conf
         model_cls = model_class_for(model_config)
         with torch.device("meta"):
             model = model_cls(model_config, kernels=kernels)
-        model.to_empty(device="cpu")
+        # Materialized on the device in the compute dtype; each checkpoint tensor is converted as it is copied in.
+        model.cast_parameters(dtype).to_empty(device=device)
+        model.rotary.to(device)
         model.load_weights(checkpoint.weights())
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"cannot build the model from {checkpoint.path}: {exc}") from None
-    model = model.to_device(device, dtype).eval()
+    model.eval()
 
     spec = model.kv_cache_spec(config.resolved_kv_cache_dtype(), config.block_size)
     num_blocks = spec.num_blocks_for(_kv_budget(config, device)) - 1  # one block is the cache's null block

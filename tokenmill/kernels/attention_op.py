@@ -11,6 +11,7 @@ output).
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -30,25 +31,27 @@ class StepContext:
     scales: list[torch.Tensor | None]
 
 
-_current: StepContext | None = None
+# Per thread: engines on different threads of one process (tests, --no-engine-process beside LLM) never share a step.
+_local = threading.local()
 
 
 @contextmanager
 def attention_context(meta: AttentionMetadata, data: list[torch.Tensor], scales: list[torch.Tensor | None]
                       ) -> Iterator[None]:
     """Publish one step's metadata and cache to the attention ops for the duration of a forward."""
-    global _current
-    previous, _current = _current, StepContext(meta, data, scales)
+    previous = getattr(_local, "step", None)
+    _local.step = StepContext(meta, data, scales)
     try:
         yield
     finally:
-        _current = previous
+        _local.step = previous
 
 
 def _step() -> StepContext:
-    if _current is None:
+    step = getattr(_local, "step", None)
+    if step is None:
         raise RuntimeError("attention op called outside attention_context (DecoderLM.forward sets it)")
-    return _current
+    return step
 
 
 @torch.library.custom_op("tokenmill::gqa_attention", mutates_args=())

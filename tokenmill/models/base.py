@@ -60,14 +60,20 @@ class DecoderLM(nn.Module):
         """hidden [S, hidden] -> float32 logits [S, vocab]."""
         return logits_with_exact_top(hidden, self.lm_head.weight)
 
-    def to_device(self, device: torch.device | str, dtype: torch.dtype) -> "DecoderLM":
-        """Cast to the compute dtype, except ``fp32_params`` (kept float32) and fp8 weights (kept fp8)."""
-        keep = {n: p.data if p.dtype == torch.float8_e4m3fn else p.data.float() for n, p in self.named_parameters()
-                if p.dtype == torch.float8_e4m3fn or (self.fp32_params and n.endswith(self.fp32_params))}
-        self.to(device=device, dtype=dtype)
+    def cast_parameters(self, dtype: torch.dtype) -> "DecoderLM":
+        """Give every parameter the compute ``dtype``, except fp8 weights (kept fp8: ``Module.to`` would widen them)
+        and ``fp32_params`` (kept float32). On the meta device this is free: the worker casts first, then
+        materializes on the target device and loads each checkpoint tensor straight into its final dtype, so no
+        float32 copy of the model ever exists."""
         for name, param in self.named_parameters():
-            if name in keep:
-                param.data = keep[name].to(device)
+            target = torch.float32 if self.fp32_params and name.endswith(self.fp32_params) else dtype
+            if param.dtype != torch.float8_e4m3fn and param.dtype != target:
+                param.data = param.data.to(target)
+        return self
+
+    def to_device(self, device: torch.device | str, dtype: torch.dtype) -> "DecoderLM":
+        """Move a materialized model: ``cast_parameters(dtype)``, then the device (rotary tables included)."""
+        self.cast_parameters(dtype).to(device)
         self.rotary.to(device)
         return self
 
