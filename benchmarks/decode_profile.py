@@ -21,7 +21,7 @@ from tokenmill import LLM, SamplingParams
 def steady_decode(llm: LLM, batch: int, prompt_len: int) -> None:
     """Admit ``batch`` requests and step until every prompt is in the cache (each next step is a pure decode)."""
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True)
     for _ in range(batch):
         llm.add_request([rng.randrange(1000, 40000) for _ in range(prompt_len)], params)
     running = llm.engine.scheduler.running
