@@ -29,7 +29,7 @@ def teacher_forced_logits(model: torch.nn.Module, kv_cache: KVCache, token_ids: 
         inputs = batch.prepare({"probe": n})
         logits.append(model.compute_logits(model(inputs.input_ids, inputs.positions, inputs.attention, kv_cache)))
         done += n
-        batch.update(RunningRequestData("probe", [], done))
+        batch.update(RunningRequestData("probe", [], done, num_blocks))
     return torch.cat(logits)
 
 

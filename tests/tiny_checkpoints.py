@@ -64,6 +64,13 @@ def make_deepseek_checkpoint(path, smollm_llm, kind):
     return model.eval()
 
 
+def make_tiny_checkpoint(path, smollm_llm, kind: str):
+    """"dense-gqa" (a tiny Llama) or one of CONFIGS (a tiny DeepSeek) at ``path``."""
+    if kind == "dense-gqa":
+        return make_llama_checkpoint(path, smollm_llm)
+    return make_deepseek_checkpoint(path, smollm_llm, kind)
+
+
 def _quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's format, written independently of the loader: per (block x block) tile, scale = amax / 448."""
     rows, cols = w.shape

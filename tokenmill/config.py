@@ -67,9 +67,18 @@ class EngineConfig(BaseSettings):
     block_size: int = Field(16, gt=0, le=1024)
     kv_cache_memory: int = Field(2 * 2**30, gt=0, description="KV cache bytes on CPU (accepts '2GiB')")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    enable_prefix_caching: bool = Field(True, description="reuse the KV of full blocks shared with earlier prompts "
+                                                          "(hash-chained, LRU-evicted only when the pool needs room)")
     # --- scheduler
     max_num_seqs: int = Field(256, gt=0)
     max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one engine step")
+    # --- speculative decoding
+    speculative_method: Literal["off", "ngram"] = Field(
+        "off", description="draft tokens to verify in one pass: ngram = prompt lookup (the last n tokens matched "
+                           "earlier in the request's own prompt and output)")
+    num_speculative_tokens: int = Field(3, gt=0, le=16, description="most draft tokens per request and step")
+    prompt_lookup_min: int = Field(2, gt=0, description="shortest n-gram the ngram method matches")
+    prompt_lookup_max: int = Field(4, gt=0, description="longest n-gram the ngram method matches (tried first)")
     # --- runtime
     seed: int = 0
     num_threads: int | None = Field(
@@ -99,6 +108,13 @@ class EngineConfig(BaseSettings):
     @classmethod
     def _parse_size(cls, value: Any) -> int:
         return parse_byte_size(value)
+
+    @model_validator(mode="after")
+    def _check_lookup(self) -> "EngineConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is larger than prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
 
     @model_validator(mode="after")
     def _check_paths(self) -> "EngineConfig":

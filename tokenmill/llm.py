@@ -23,6 +23,7 @@ class Completion:
     stop_reason: int | str | None = None
     # Per token: (logprob of the chosen token, [(token id, logprob)] top candidates); None unless asked.
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -89,6 +90,7 @@ class LLM:
                 completion = pending[out.request_id]
                 completion.text += out.delta_text
                 completion.token_ids.extend(out.new_token_ids)
+                completion.num_cached_tokens = out.num_cached_tokens
                 if completion.logprobs is not None:
                     completion.logprobs.extend(out.new_logprobs)
                 if out.finished:

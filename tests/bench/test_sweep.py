@@ -60,3 +60,32 @@ def test_base_url_with_or_without_v1(fp32_server):
     settings = {**DEFAULTS, "base_url": root, "model": MODEL, "api_key": API_KEY, "concurrency": "1",
                 "input_len": 8, "output_len": 2, "num_prompts": 1, "warmup": 0, "seed": 1, "vocab_size": 49152}
     assert run_sweep(settings)["levels"][0]["completed"] == 1
+
+
+def test_shared_prefix_dataset_reports_the_servers_prefix_hit_rate(fp32_server):
+    """Prompts of 40 tokens sharing their first 32 (two blocks of 16): after the warm-up request computes the prefix,
+    each measured request finds 32 of its 40 tokens cached, so the hit rate from /metrics is exactly 0.8."""
+    settings = {**DEFAULTS, "base_url": fp32_server.base_url, "model": MODEL, "api_key": API_KEY,
+                "concurrency": "1", "dataset": "shared-prefix", "prefix_len": 32, "input_len": 40, "output_len": 2,
+                "num_prompts": 3, "warmup": 1, "seed": 11, "vocab_size": 49152}
+    report = run_sweep(settings)
+    level = report["levels"][0]
+    assert level["completed"] == 3 and level["prompt_tokens"] == 3 * 40
+    assert level["server"]["prefix_cache_hit_rate"] == 0.8
+    assert "| 80% |" in markdown_table(report)
+
+
+def test_shared_prefix_prompts_share_exactly_the_prefix():
+    from tokenmill.bench.loadgen import shared_prefix_prompts
+
+    prompts = shared_prefix_prompts(4, 10, 15, 49152, seed=3)
+    assert all(len(p) == 15 and p[:10] == prompts[0][:10] for p in prompts)
+    assert len({tuple(p[10:]) for p in prompts}) == 4
+
+
+def test_copy_dataset_prompts_hold_their_passage():
+    from tokenmill.bench.copy_texts import INSTRUCTIONS, PASSAGES, copy_prompts
+
+    prompts = copy_prompts(len(INSTRUCTIONS) * len(PASSAGES) + 1)
+    assert len(set(prompts)) == len(INSTRUCTIONS) * len(PASSAGES) and prompts[-1] == prompts[0]
+    assert all(any(p.endswith(passage) for passage in PASSAGES) for p in prompts)

@@ -30,23 +30,22 @@ def test_double_free_is_caught():
 def test_cached_block_survives_free_until_evicted():
     pool = BlockPool(2)
     x, y = pool.allocate(2)
-    pool.cache_block(x, "h0")
+    pool.cache_block(x, b"h0", [1, 2])
     pool.free([x])
-    assert pool.lookup("h0") == x
+    assert pool.lookup(b"h0", [1, 2]) == x
     pool.acquire(x)  # a prefix hit revives it without allocation
     assert pool.blocks[x].ref_cnt == 1 and pool.num_free_blocks == 0
     pool.check_integrity()
     pool.free([x, y])
     # x was freed first, so it is evicted first and loses its hash.
     assert pool.allocate(1) == [x]
-    assert pool.lookup("h0") is None
+    assert pool.lookup(b"h0", [1, 2]) is None
     pool.check_integrity()
 
 
 class _Req:
     def __init__(self):
-        self.block_ids = []
-        self.num_computed_tokens = 0
+        self.block_ids, self.num_computed_tokens, self.num_cached_blocks = [], 0, 0
 
 
 def test_manager_allocates_by_ceil_blocks():

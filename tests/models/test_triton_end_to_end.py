@@ -15,23 +15,22 @@ import torch
 from tests.helpers import kl_per_position, teacher_forced_logits
 from tests.kernels.triton_device import DEVICE
 from tests.live_server import start_server, stop_server
-from tests.tiny_checkpoints import make_deepseek_checkpoint, make_llama_checkpoint, write_fp8_copies
+from tests.tiny_checkpoints import make_deepseek_checkpoint, make_tiny_checkpoint, write_fp8_copies
 from tokenmill import LLM, SamplingParams
 from tokenmill.kvcache.cache import KVCache
 
 PROMPTS = [[(7 * i + 3 * n) % 1000 + 10 for i in range(n)] for n in (1, 5, 16, 23)]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+# No prefix caching: with an fp8 cache a prefix hit reads the prefix quantized where a fresh prefill uses it as
+# computed (tests/engine/test_prefix_caching.py), and the reference engine here has seen every prompt before.
 ENGINE = dict(dtype="float32", kv_cache_dtype="fp8", kv_cache_memory="8MiB", max_model_len=256,
-              max_num_batched_tokens=8, block_size=4, device=DEVICE.type)
+              max_num_batched_tokens=8, block_size=4, device=DEVICE.type, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module", params=["dense-gqa", "deepseek-v3"])
 def tiny_model(request, tmp_path_factory, smollm_llm):
     path = tmp_path_factory.mktemp(request.param)
-    if request.param == "dense-gqa":
-        make_llama_checkpoint(path, smollm_llm)
-    else:
-        make_deepseek_checkpoint(path, smollm_llm, "v3-q-lora")
+    make_tiny_checkpoint(path, smollm_llm, "v3-q-lora" if request.param == "deepseek-v3" else request.param)
     return path, LLM(model=str(path), kernel_backend="torch", **ENGINE)
 
 
@@ -68,7 +67,8 @@ def test_served_on_triton_matches_torch(tmp_path, tiny_model):
     import openai
 
     path, reference = tiny_model
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+    flags = [f"--{k.replace('_', '-')}={v}" if not isinstance(v, bool) else f"--{'' if v else 'no-'}"
+             f"{k.replace('_', '-')}" for k, v in ENGINE.items()]
     server = start_server(tmp_path, *flags, "--kernel-backend", "triton", str(path))
     try:
         assert "kernel backend: triton" in server.log()

@@ -4,94 +4,11 @@ import random
 
 import pytest
 
+from tests.scheduler.fake_runner import drain, expected_output, make_request, run_step, run_step_sampled
 from tokenmill.kvcache.manager import KVCacheManager
 from tokenmill.sampling.params import SamplingParams
-from tokenmill.scheduler.request import Request, RequestStatus
+from tokenmill.scheduler.request import RequestStatus
 from tokenmill.scheduler.scheduler import Scheduler
-
-VOCAB = 97
-
-
-def fake_next_token(tokens: list[int]) -> int:
-    """A deterministic 'model': the next token depends on the whole context, as a real one does."""
-    return (sum(t * (i + 1) for i, t in enumerate(tokens)) + 7) % VOCAB
-
-
-def make_request(rid: str, prompt_len: int, max_tokens: int, seed: int = 0) -> Request:
-    rng = random.Random(seed)
-    prompt = [rng.randrange(1, VOCAB) for _ in range(prompt_len)]
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens=max_tokens)
-
-
-class FakeRunner:
-    """A runner that knows only what SchedulerOutput tells it (the real runner's contract): it keeps each request's
-    tokens, blocks and computed count from the diffs, samples with fake_next_token, and drops dropped rows."""
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-        self.rows: dict[str, dict] = {}
-
-    def execute(self, out) -> dict[str, int]:
-        for rid in out.finished_ids + out.preempted_ids:
-            self.rows.pop(rid, None)
-        for new in out.new_requests:
-            assert new.request_id not in self.rows
-            self.rows[new.request_id] = {"tokens": list(new.token_ids), "blocks": list(new.block_ids),
-                                         "computed": new.num_computed_tokens}
-        for diff in out.running:
-            row = self.rows[diff.request_id]
-            row["blocks"] += diff.new_block_ids
-            row["computed"] = diff.num_computed_tokens
-        sampled = {}
-        for rid, n in out.num_scheduled_tokens.items():
-            row = self.rows[rid]
-            assert len(row["blocks"]) * self.block_size >= row["computed"] + n  # the chunk has KV blocks
-            if row["computed"] + n == len(row["tokens"]):
-                sampled[rid] = fake_next_token(row["tokens"])
-                row["tokens"].append(sampled[rid])
-        return sampled
-
-
-def run_step(sched: Scheduler, budget_seen: list[int] | None = None):
-    runner = sched.__dict__.setdefault("_fake_runner", FakeRunner(sched.kv.block_size))
-    out = sched.schedule()
-    assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
-    assert len(sched.running) <= sched.max_num_seqs
-    if budget_seen is not None:
-        budget_seen.append(out.total_num_scheduled_tokens)
-    sampled = runner.execute(out)
-    for rid in out.num_scheduled_tokens:  # the runner's view equals the scheduler's
-        req, row = sched.requests[rid], runner.rows[rid]
-        assert (row["blocks"], row["computed"]) == (req.block_ids, req.num_computed_tokens)
-        assert row["tokens"][:req.num_tokens] == req.all_token_ids
-    finished = sched.update(out, sampled)
-    sched.kv.pool.check_integrity()
-    return out, finished
-
-
-def drain(sched: Scheduler, max_steps: int = 10_000):
-    outs = []
-    for _ in range(max_steps):
-        if not sched.has_unfinished():
-            return outs
-        outs.append(run_step(sched)[0])
-    raise AssertionError("scheduler did not finish")
-
-
-def run_step_sampled(sched: Scheduler):
-    """run_step, returning the tokens sampled in the step instead of the finished requests."""
-    before = {rid: r.num_output_tokens for rid, r in sched.requests.items()}
-    out, _ = run_step(sched)
-    reqs = {**{r.request_id: r for r in sched.running}, **{r.request_id: r for r in sched.waiting}}
-    return out, {rid: r.output_token_ids[-1] for rid, r in reqs.items() if r.num_output_tokens > before.get(rid, 0)}
-
-
-def expected_output(req: Request) -> list[int]:
-    tokens = list(req.prompt_token_ids)
-    for _ in range(req.max_tokens):
-        tokens.append(fake_next_token(tokens))
-    return tokens[req.num_prompt_tokens:]
-
 
 def test_chunked_prefill_respects_budget_and_finishes():
     sched = Scheduler(KVCacheManager(num_blocks=64, block_size=4), max_num_seqs=8, max_num_batched_tokens=16)

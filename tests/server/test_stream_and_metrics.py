@@ -140,3 +140,36 @@ def test_tpot_histogram_is_the_mean_inter_token_latency_per_request(fp32_server)
     # One request of 12 tokens: one TPOT observation = (last - first) / 11 = the mean of its 11 inter-token gaps.
     assert (tpot_count, itl_count) == (1, 11)
     assert tpot_sum == pytest.approx(itl_sum / 11, rel=1e-6)
+
+
+def test_prefix_cache_hits_reach_usage_and_metrics(fp32_server):
+    """A repeated long system prompt: the second request reports whole cached blocks in the OpenAI SDK's
+    usage.prompt_tokens_details.cached_tokens (streamed too), and the Prometheus counters move by the same tokens;
+    another cache_salt shares nothing."""
+    import openai
+
+    client = openai.OpenAI(base_url=fp32_server.base_url, api_key=API_KEY, max_retries=0)
+    system = f"Session {time.time_ns()}. " + "You are a careful assistant who answers in one short sentence. " * 6
+
+    def ask(question: str, **extra):
+        return client.chat.completions.create(
+            model=MODEL, max_tokens=3, temperature=0, stream=True, stream_options={"include_usage": True},
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}], **extra)
+
+    def counters():
+        samples = metric_samples(fp32_server)
+        return [sample_value(samples[n], n + "_total") for n in ("tokenmill:prefix_cache_queries",
+                                                                 "tokenmill:prefix_cache_hits")]
+
+    first = list(ask("Name a colour."))[-1].usage
+    assert first.prompt_tokens_details.cached_tokens == 0
+    queries0, hits0 = counters()
+    second = list(ask("Name a fruit."))[-1].usage
+    cached = second.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < second.prompt_tokens
+    queries1, hits1 = counters()
+    assert (queries1 - queries0, hits1 - hits0) == (second.prompt_tokens, cached)
+    salted = client.chat.completions.create(
+        model=MODEL, max_tokens=3, temperature=0, extra_body={"cache_salt": "tenant-b"},
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}])
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0

@@ -1,7 +1,8 @@
 """Streaming load against any OpenAI-compatible endpoint, one concurrency level at a time.
 
 Prompts: random token ids of exact length, sent as token-id prompts to /v1/completions (vLLM, llama.cpp's
-server and tokenmill accept them), or a JSONL file of {"prompt": ...} lines. For the chat endpoint, token ids
+server and tokenmill accept them); the same behind one shared random prefix (``--dataset shared-prefix``, the shape
+of a chat service's system prompt); or a JSONL file of {"prompt": ...} lines. For the chat endpoint, token ids
 are turned into text with the model's tokenizer, so lengths are approximate there. Every request asks for
 exactly ``output_len`` tokens (``ignore_eos``, and ``min_tokens`` where accepted) with usage reported in the
 last chunk; a server that reports none has its streamed chunks counted instead, and the report says so.
@@ -36,6 +37,17 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int | None) -
     rng = random.Random(seed)
     # Skip the lowest ids, where tokenizers keep their special tokens.
     return [[rng.randrange(1000, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def shared_prefix_prompts(count: int, prefix_len: int, length: int, vocab_size: int, seed: int | None
+                          ) -> list[list[int]]:
+    """The chat-with-a-system-prompt shape: one random ``prefix_len``-token prefix shared by every prompt, then a
+    different random question, ``length`` tokens in all. A prefix cache computes the prefix once."""
+    if not 0 < prefix_len < length:
+        raise ValueError(f"the shared prefix ({prefix_len} tokens) must be shorter than the prompt ({length})")
+    prefix = random_prompts(1, prefix_len, vocab_size, seed)[0]
+    questions = random_prompts(count, length - prefix_len, vocab_size, None if seed is None else seed + 1)
+    return [prefix + q for q in questions]
 
 
 def dataset_prompts(path: str, count: int) -> list[Any]:

@@ -9,17 +9,23 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
 def markdown_table(report: dict) -> str:
     s = report["settings"]
     lines = [f"{s['model']} at {s['base_url']}: {s['endpoint']}, {s['input_len']} prompt + {s['output_len']} output "
              "tokens", "",
              "| concurrency | req/s | output tok/s | total tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
-             "| ITL p99 ms | e2e p50/p99 s | errors | KV peak | preemptions | $/M output |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| ITL p99 ms | e2e p50/p99 s | errors | KV peak | prefix hits | drafts accepted | preemptions "
+             "| $/M output |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for lv in report["levels"]:
         t, p = lv["ttft_s"], lv["tpot_s"]
         server = lv.get("server") or {}
-        kv = server.get("kv_cache_usage_peak")
+        kv, hit_rate = server.get("kv_cache_usage_peak"), server.get("prefix_cache_hit_rate")
+        accepted = server.get("spec_acceptance_rate")
         cost = lv.get("usd_per_million_output_tokens")
         e2e = lv["e2e_s"]
         lines.append(
@@ -27,7 +33,8 @@ def markdown_table(report: dict) -> str:
             f"{lv['total_tok_per_s']:.1f} | {_ms(t['p50'])}/{_ms(t['p90'])}/{_ms(t['p99'])} | "
             f"{_ms(p['p50'])}/{_ms(p['p90'])}/{_ms(p['p99'])} | {_ms(lv['itl_s']['p99'])} | "
             f"{(e2e['p50'] or 0):.2f}/{(e2e['p99'] or 0):.2f} | {sum(lv['errors'].values()) or 0} | "
-            f"{'-' if kv is None else f'{kv:.0%}'} | {server.get('preemptions') or 0:.0f} | "
+            f"{_percent(kv)} | {_percent(hit_rate)} | {_percent(accepted)} | "
+            f"{server.get('preemptions') or 0:.0f} | "
             f"{'-' if cost is None else f'{cost:.3f}'} |")
     if not all(lv["usage_reported"] for lv in report["levels"]):
         lines.append("\nThe server reported no usage: output tokens were counted as streamed chunks.")

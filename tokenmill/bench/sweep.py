@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.loadgen import (LoadSpec, dataset_prompts, normalize_base_url, random_prompts, run_level,
-                                     scrape_metrics)
+                                     scrape_metrics, shared_prefix_prompts)
+from tokenmill.bench.copy_texts import copy_prompts
 from tokenmill.bench.report import markdown_table, write_plots
 from tokenmill.bench.stats import RequestResult, summarize
 
@@ -23,8 +24,11 @@ DEFAULTS: dict[str, Any] = {
     "base_url": "http://127.0.0.1:8000/v1", "model": None, "api_key": None, "concurrency": "1,8,16,32,64",
     "input_len": 2048, "output_len": 512, "dataset": None, "num_prompts": None, "warmup": 2, "seed": None,
     "max_seconds": None, "endpoint": "completions", "hourly_cost": None, "out": None, "vocab_size": None,
-    "tokenizer": None, "label": None,
+    "tokenizer": None, "label": None, "prefix_len": 1000,
 }
+# Built-in datasets (other --dataset values are JSONL files): random (the default); shared-prefix, whose prompts share
+# their first prefix_len tokens; copy, chat requests whose answers repeat their prompt (bench/copy_texts.py).
+SHARED_PREFIX, COPY = "shared-prefix", "copy"
 
 
 def _suffix(name: str, values: dict[str, float]) -> float | None:
@@ -60,10 +64,12 @@ class ServerWatch:
             return None if a is None or b is None else b - a
 
         hits, queries = delta("prefix_cache_hits_total"), delta("prefix_cache_queries_total")
+        accepted, drafted = delta("spec_decode_num_accepted_tokens_total"), delta("spec_decode_num_draft_tokens_total")
         kv_peak = self.peaks.get("kv_cache_usage_perc", self.peaks.get("kv_cache_usage_ratio"))
         return {"kv_cache_usage_peak": kv_peak, "preemptions": delta("num_preemptions_total"),
                 "generation_tokens": delta("generation_tokens_total"),
                 "prefix_cache_hit_rate": hits / queries if hits is not None and queries else None,
+                "spec_acceptance_rate": accepted / drafted if accepted is not None and drafted else None,
                 "process_peak_memory_bytes": self.peaks.get("process_resident_memory_bytes")}
 
 
@@ -91,7 +97,7 @@ async def _level(spec: LoadSpec, prompts: list, concurrency: int, settings: dict
 
 
 def _detokenizer(settings: dict):
-    if settings["endpoint"] != "chat" or settings["dataset"]:
+    if settings["endpoint"] != "chat" or settings["dataset"] not in (None, SHARED_PREFIX):  # token ids to text
         return None
     from tokenmill.models.loader import open_checkpoint
     from tokenmill.models.tokenizer import Tokenizer
@@ -102,6 +108,19 @@ def _detokenizer(settings: dict):
 
 class BenchError(RuntimeError):
     """A level in which no request succeeded: an error to report, not a row of zeros."""
+
+
+def _prompts(settings: dict, count: int, seed: int) -> list:
+    """A level's prompts; random ones are fresh per level (``seed``), so no server is flattered by a cache warmed
+    by an earlier level (shared-prefix ones share a fresh prefix, warmed only by the level's own warm-up)."""
+    if settings["dataset"] == SHARED_PREFIX:
+        return shared_prefix_prompts(count, settings["prefix_len"], settings["input_len"], settings["vocab_size"],
+                                     seed)
+    if settings["dataset"] == COPY:
+        return copy_prompts(count)
+    if settings["dataset"]:
+        return dataset_prompts(settings["dataset"], count)
+    return random_prompts(count, settings["input_len"], settings["vocab_size"], seed)
 
 
 def run_sweep(settings: dict) -> dict:
@@ -115,10 +134,7 @@ def run_sweep(settings: dict) -> dict:
     for i, concurrency in enumerate(levels):
         count = settings["num_prompts"] or 4 * concurrency
         warmup = settings["warmup"] * concurrency
-        if settings["dataset"]:
-            prompts = dataset_prompts(settings["dataset"], warmup + count)
-        else:  # fresh prompts per level, so no server is flattered by a warm prefix cache
-            prompts = random_prompts(warmup + count, settings["input_len"], settings["vocab_size"], seed + i)
+        prompts = _prompts(settings, warmup + count, seed + i)
         if warmup:
             asyncio.run(run_level(spec, prompts[:warmup], concurrency, None, detokenize))
         results, server = asyncio.run(_level(spec, prompts[warmup:], concurrency, settings, detokenize))
@@ -188,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         kind = type(default) if default is not None and not isinstance(default, str) else None
         if name in ("hourly_cost", "max_seconds"):
             kind = float
-        if name in ("num_prompts", "seed", "vocab_size"):
+        if name in ("num_prompts", "seed", "vocab_size", "prefix_len"):
             kind = int
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
                             help=f"(default: {default})")

@@ -88,11 +88,11 @@ class EngineClient:
 
     # --- requests
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-                     request_id: str | None = None) -> EngineRequest:
+                     request_id: str | None = None, cache_salt: str | None = None) -> EngineRequest:
         """Validate against the loaded model (ValueError naming the problem) into a plain-data request."""
         max_tokens = validate_request(self.info, prompt_token_ids, params)
         return EngineRequest(request_id or uuid.uuid4().hex, list(prompt_token_ids), params, max_tokens,
-                             arrival_time)
+                             arrival_time, cache_salt)
 
     def reserve(self, requests: list[EngineRequest]) -> bool:
         """Admit ``requests`` together if their promise fits, reserving it. An idle server admits anything that

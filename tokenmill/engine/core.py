@@ -24,6 +24,7 @@ from tokenmill.models.tokenizer import Tokenizer
 from tokenmill.runtime import keep_freed_memory_in_heap, resident_memory_bytes
 from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.speculative.ngram import NgramProposer
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,11 @@ class EngineCore:
             prepare_cpu(loaded.model, loaded.kv_cache, config)
         self.runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, config.max_num_seqs,
                                   loaded.max_model_len, self.model_config.eos_token_ids, config.seed)
-        kv = KVCacheManager(loaded.kv_cache.num_blocks, config.block_size)
+        kv = KVCacheManager(loaded.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                       config.prompt_lookup_max) if config.speculative_method == "ngram" else None)
         self.num_aborted_total = 0
         self.num_decode_steps_total, self.decode_step_seconds_total = 0, 0.0
         self._rss, self._rss_time = 0, float("-inf")  # read at most once a second, not every step
@@ -65,7 +68,8 @@ class EngineCore:
         params = request.params
         self.scheduler.add_request(Request(
             request.request_id, list(request.prompt_token_ids), params, max_tokens=request.max_tokens,
-            eos_token_ids=self.model_config.eos_token_ids, arrival_time=request.arrival_time))
+            eos_token_ids=self.model_config.eos_token_ids, arrival_time=request.arrival_time,
+            cache_salt=request.cache_salt))
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
 
@@ -88,7 +92,9 @@ class EngineCore:
             self._rss, self._rss_time = resident_memory_bytes(), now
         return EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions_total,
                            self.num_aborted_total, self._rss, self.num_decode_steps_total,
-                           self.decode_step_seconds_total)
+                           self.decode_step_seconds_total, s.prefix_cache_queries_total, s.prefix_cache_hits_total,
+                           s.spec.num_draft_tokens_total, s.spec.num_accepted_tokens_total,
+                           list(s.spec.drafted_by_position), list(s.spec.accepted_by_position))
 
     # --- the step
     def step(self) -> StepOutputs:
@@ -98,27 +104,49 @@ class EngineCore:
         if out.is_empty:
             return StepOutputs([], self.stats())
         scheduled = [self.scheduler.requests[rid] for rid in result.sampled]
+        before = [request.num_output_tokens for request in scheduled]
         self.scheduler.update(out, result.sampled)
         now = time.monotonic()
-        outputs = [self._report(request, result.sampled[request.request_id], result.logprobs.get(request.request_id),
-                                now) for request in scheduled]
+        outputs = []
+        for request, num_before in zip(scheduled, before):
+            kept = request.num_output_tokens - num_before  # fewer than sampled when a token stop came first
+            logprobs = result.logprobs.get(request.request_id)
+            outputs.append(self._report(request, request.output_token_ids[num_before:],
+                                        logprobs[:kept] if logprobs else [], now))
+        if self.proposer is not None:
+            self._propose()
         if out.total_num_scheduled_tokens == len(out.num_scheduled_tokens):  # a pure decode step
             self.num_decode_steps_total += 1
             self.decode_step_seconds_total += time.perf_counter() - start
         return StepOutputs(outputs, self.stats())
 
-    def _report(self, request: Request, token: int, logprobs, now: float) -> RequestOutput:
+    def _propose(self) -> None:
+        """Drafts for every running request whose next step is a decode, from its own tokens."""
+        for request in self.scheduler.running:
+            if request.num_tokens - request.num_computed_tokens == 1:
+                room = request.max_tokens - request.num_output_tokens - 1
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids, min(room, self.proposer.k))
+
+    def _report(self, request: Request, tokens: list[int], logprobs: list, now: float) -> RequestOutput:
+        """The step's output of one request; a stop string found after token i drops the tokens after it."""
         if request.first_token_time is None:
             request.first_token_time = now
         detok = self._detokenizers[request.request_id]
-        delta = detok.update([token], finished=request.is_finished)
-        if detok.stopped_by is not None and not request.is_finished:
-            request.stop_reason = detok.stopped_by
-            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        delta = ""
+        for i, token in enumerate(tokens):
+            delta += detok.update([token], finished=request.is_finished and i == len(tokens) - 1)
+            if detok.stopped_by is not None:
+                request.stop_reason = detok.stopped_by
+                request.truncate_output(request.num_output_tokens - (len(tokens) - i - 1))
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)  # a no-op if a token stop came too
+                request.status = RequestStatus.FINISHED_STOPPED
+                tokens, logprobs = tokens[:i + 1], logprobs[:i + 1]
+                break
         if request.is_finished:
             del self._detokenizers[request.request_id]
-        return RequestOutput(request.request_id, [token], delta, request.num_prompt_tokens,
+        return RequestOutput(request.request_id, tokens, delta, request.num_prompt_tokens,
                              request.num_output_tokens, finished=request.is_finished,
+                             num_cached_tokens=request.num_cached_tokens,
                              finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
-                             new_logprobs=[logprobs] if logprobs is not None else [],
-                             first_scheduled_time=request.first_scheduled_time, token_time=now)
+                             new_logprobs=logprobs, first_scheduled_time=request.first_scheduled_time,
+                             token_time=now)

@@ -4,8 +4,9 @@ A row holds the request's tokens (prompt + sampled so far), its computed count, 
 parameters; a step reads the scheduled rows with vectorized gathers, so it allocates no per-request Python structure
 beyond the diff. Rows are reused through a free list; row order means nothing (the step's order is the scheduler's).
 
-Invariants: ``token_ids[r, :num_tokens[r]]`` are row r's known tokens; ``block_table[r, :num_blocks[r]]`` its blocks
-(the rest point at the null block); ``output_counts[r]`` (when row r is penalized) counts its sampled tokens.
+Invariants: ``token_ids[r, :num_tokens[r]]`` are row r's known tokens, followed during a step by its
+``num_drafts[r]`` draft tokens (speculative decoding); ``block_table[r, :num_blocks[r]]`` its blocks (the rest point
+at the null block); ``output_counts[r]`` (when row r is penalized) counts its sampled tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     attention: AttentionMetadata
     sample_rows: np.ndarray  # batch rows that sample, in step order
-    logits_indices: torch.Tensor  # [S]: their last token's index in the flattened batch
+    num_samples: np.ndarray  # per sampling row: 1 + its drafts (a token is sampled after each draft too)
+    # Per sampled position P (row-major over sample_rows): its row, its draft offset, its index in the flat batch.
+    position_rows: np.ndarray  # [P]
+    position_offsets: np.ndarray  # [P]: 0 = after the known tokens, j = after j drafts
+    logits_indices: torch.Tensor  # [P]
 
 
 class InputBatch:
@@ -44,6 +49,7 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_drafts = np.zeros(max_num_reqs, dtype=np.int64)  # this step's drafts, after the known tokens
         self.block_table = np.full((max_num_reqs, -(-max_model_len // block_size)), null_block, dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         # Sampling parameters per row.
@@ -80,9 +86,10 @@ class InputBatch:
 
     def update(self, running: RunningRequestData) -> None:
         row = self.row_of[running.request_id]
-        start = self.num_blocks[row]
-        self.block_table[row, start:start + len(running.new_block_ids)] = running.new_block_ids
-        self.num_blocks[row] += len(running.new_block_ids)
+        end = running.num_blocks
+        self.block_table[row, end:self.num_blocks[row]] = self.null_block  # released blocks, if any
+        self.block_table[row, end - len(running.new_block_ids):end] = running.new_block_ids
+        self.num_blocks[row] = end
         self.num_computed[row] = running.num_computed_tokens
 
     def remove(self, request_id: str) -> None:
@@ -128,6 +135,19 @@ class InputBatch:
         self.output_counts[row].zero_().index_add_(0, outputs, torch.ones_like(outputs, dtype=torch.int32))
 
     # --- one step
+    def set_drafts(self, spec_token_ids: dict[str, list[int]]) -> None:
+        """This step's draft tokens go right after each row's known tokens (every other row has none)."""
+        self.num_drafts[:] = 0
+        for request_id, drafts in spec_token_ids.items():
+            row = self.row_of[request_id]
+            start = self.num_tokens[row]
+            self.token_ids[row, start:start + len(drafts)] = drafts
+            self.num_drafts[row] = len(drafts)
+
+    def drafts(self, row: int) -> list[int]:
+        start = self.num_tokens[row]
+        return self.token_ids[row, start:start + self.num_drafts[row]].tolist()
+
     def prepare(self, num_scheduled: dict[str, int]) -> StepInputs:
         """The flattened batch of the scheduled chunks, in the scheduler's order."""
         rows = np.fromiter((self.row_of[rid] for rid in num_scheduled), dtype=np.int64, count=len(num_scheduled))
@@ -139,7 +159,7 @@ class InputBatch:
         positions = np.arange(cu[-1]) - np.repeat(cu - counts, counts) + np.repeat(starts, counts)
         slot_mapping = self.block_table[token_rows, positions // self.block_size] * self.block_size \
             + positions % self.block_size
-        samples = ends == self.num_tokens[rows]
+        samples = ends == self.num_tokens[rows] + self.num_drafts[rows]
         width = int(self.num_blocks[rows].max())
         to = dict(device=self.device)
         attention = AttentionMetadata(
@@ -147,13 +167,23 @@ class InputBatch:
             seq_lens=ends.tolist(), block_tables=torch.from_numpy(self.block_table[rows, :width]).to(**to),
             block_size=self.block_size, decode_indices=np.flatnonzero(counts == 1).tolist(),
             prefill_indices=np.flatnonzero(counts > 1).tolist())
+        sample_rows = rows[samples]
+        num_samples = self.num_drafts[sample_rows] + 1
+        offsets = np.arange(num_samples.sum()) - np.repeat(np.cumsum(num_samples) - num_samples, num_samples)
+        last = np.repeat(cu[samples] - 1, num_samples)  # each row's last token; its drafts' positions come before
         return StepInputs(
             input_ids=torch.from_numpy(self.token_ids[token_rows, positions].astype(np.int64)).to(**to),
-            positions=torch.from_numpy(positions).to(**to), attention=attention, sample_rows=rows[samples],
-            logits_indices=torch.from_numpy(cu[samples] - 1).to(**to))
+            positions=torch.from_numpy(positions).to(**to), attention=attention, sample_rows=sample_rows,
+            num_samples=num_samples, position_rows=np.repeat(sample_rows, num_samples), position_offsets=offsets,
+            logits_indices=torch.from_numpy(last - np.repeat(num_samples - 1, num_samples) + offsets).to(**to))
 
-    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """The sampling parameters of ``rows`` (the step's sampling rows, in order) as tensors."""
+    def sampling_metadata(self, rows: np.ndarray, offsets: np.ndarray | None = None) -> SamplingMetadata:
+        """The sampling parameters of the step's sampled positions as tensors: position i samples for row
+        ``rows[i]`` after ``offsets[i]`` of its drafts (default 0), as if those drafts were already its outputs:
+        its output index, min_tokens bans and penalty counts count them, so a verified draft is judged exactly as
+        the token sampled without speculation would be."""
+        offsets = np.zeros(len(rows), dtype=np.int64) if offsets is None else offsets
+        num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows] + offsets
         def t(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(values).to(self.device)
         temperature = self.temperature[rows]
@@ -166,7 +196,6 @@ class InputBatch:
                 m.top_p = t(self.top_p[rows])
             if (self.min_p[rows] > 0).any():
                 m.min_p = t(self.min_p[rows])
-            num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]
             m.seeded = tuple((i, step_seed(int(self.seed[rows[r]]), int(num_outputs[r])))
                              for i, r in enumerate(random) if self.seeded[rows[r]])
         if self.penalized[rows].any():
@@ -174,34 +203,49 @@ class InputBatch:
             m.presence_penalty, m.frequency_penalty = t(self.presence[rows]), t(self.frequency[rows])
             m.repetition_penalty = t(self.repetition[rows])
             m.output_counts, m.prompt_mask = self.output_counts[index], self.prompt_mask[index]
-        self._sparse_terms(rows, m)
+            self._count_drafts(rows, offsets, m.output_counts)
+        self._sparse_terms(rows, num_outputs, m)
         if (self.num_logprobs[rows] >= 0).any():
             m.num_logprobs = self.num_logprobs[rows].tolist()
             m.max_logprobs = max(m.num_logprobs)
         return m
 
-    def _sparse_terms(self, rows: np.ndarray, m: SamplingMetadata) -> None:
+    def _count_drafts(self, rows: np.ndarray, offsets: np.ndarray, counts: torch.Tensor) -> None:
+        """Add to each position's output counts [P, V] the drafts before it."""
+        pairs = [(i, t) for i, (r, j) in enumerate(zip(rows.tolist(), offsets.tolist())) if j and self.penalized[r]
+                 for t in self.token_ids[r, self.num_tokens[r]:self.num_tokens[r] + j].tolist()]
+        if pairs:
+            index = torch.tensor(pairs, dtype=torch.long, device=self.device)
+            counts.index_put_((index[:, 0], index[:, 1]), torch.ones(len(pairs), dtype=counts.dtype,
+                                                                     device=self.device), accumulate=True)
+
+    def _sparse_terms(self, rows: np.ndarray, num_outputs: np.ndarray, m: SamplingMetadata) -> None:
         """logit_bias and min_tokens bans of ``rows`` as coordinate lists (only rows that have them)."""
         bias = [(i, *self.bias[r]) for i, r in enumerate(rows.tolist()) if r in self.bias]
         if bias:
             m.bias_rows = torch.tensor(np.concatenate([np.full(len(ids), i) for i, ids, _ in bias]), device=self.device)
             m.bias_ids = torch.from_numpy(np.concatenate([ids for _, ids, _ in bias])).to(self.device)
             m.bias_values = torch.from_numpy(np.concatenate([v for _, _, v in bias])).to(self.device)
-        short = self.num_tokens[rows] - self.num_prompt_tokens[rows] < self.min_tokens[rows]
+        short = num_outputs < self.min_tokens[rows]
         bans = [(i, self.min_tokens_bans[r]) for i, r in enumerate(rows.tolist()) if short[i] and r in
                 self.min_tokens_bans]
         if bans:
             m.ban_rows = torch.tensor(np.concatenate([np.full(len(ids), i) for i, ids in bans]), device=self.device)
             m.ban_ids = torch.from_numpy(np.concatenate([ids for _, ids in bans])).to(self.device)
 
-    def append_sampled(self, rows: np.ndarray, tokens: list[int]) -> None:
-        """Row r's sampled token becomes its next known token (and counts toward its penalties)."""
-        values = np.array(tokens, dtype=np.int64)
-        self.token_ids[rows, self.num_tokens[rows]] = values
-        self.num_tokens[rows] += 1
-        penalized = self.penalized[rows]
+    def append_sampled(self, rows: np.ndarray, tokens: list[list[int]]) -> None:
+        """Row rows[i]'s sampled tokens (accepted drafts, then one of its own) become its next known tokens (and
+        count toward its penalties)."""
+        counts = np.array([len(t) for t in tokens], dtype=np.int64)
+        flat_rows = np.repeat(rows, counts)
+        positions = np.repeat(self.num_tokens[rows], counts) + np.arange(counts.sum()) \
+            - np.repeat(np.cumsum(counts) - counts, counts)
+        values = np.fromiter((t for ts in tokens for t in ts), dtype=np.int64, count=int(counts.sum()))
+        self.token_ids[flat_rows, positions] = values
+        self.num_tokens[rows] += counts
+        penalized = self.penalized[flat_rows]
         if penalized.any():
-            index = torch.from_numpy(rows[penalized]).to(self.device)
+            index = torch.from_numpy(flat_rows[penalized]).to(self.device)
             self.output_counts.index_put_((index, torch.from_numpy(values[penalized]).to(self.device)),
                                           torch.ones(len(index), dtype=torch.int32, device=self.device),
                                           accumulate=True)

@@ -26,6 +26,8 @@ class EngineRequest:
     # Largest number of output tokens, after capping by the model length (validate_request).
     max_tokens: int
     arrival_time: float
+    # Only requests with equal salts share prefix-cache blocks (vLLM's ``cache_salt``; None is a salt too).
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -37,6 +39,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     finished: bool = False
+    # Prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # The matched stop string or stop token id; None for EOS, length and abort.
     stop_reason: int | str | None = None
@@ -58,6 +62,14 @@ class EngineStats:
     # is the engine's own time per output token, to set against the TPOT that clients see.
     num_decode_steps_total: int = 0
     decode_step_seconds_total: float = 0.0
+    # Prefix cache: prompt tokens looked up at admission, and of them the ones found cached.
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    # Speculative decoding: draft tokens verified and accepted, in all and at each draft position (0 = the first).
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_drafted_by_position: list[int] = field(default_factory=list)
+    spec_accepted_by_position: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -1,5 +1,13 @@
 """The model runner: SchedulerOutput (a diff) -> persistent batch -> one flattened forward pass -> one batched
-sampling pass -> the sampled tokens, copied to the host once."""
+sampling pass -> the sampled tokens, copied to the host once.
+
+Speculative decoding: a request with k drafts computes its last token and the drafts in one pass, and samples at
+each of those k + 1 positions as if the drafts before it were its outputs. Its drafts are accepted while each equals
+the token sampled before it; then the first token sampled after the accepted drafts ends the step's tokens. For
+drafts proposed without a distribution (n-gram), this is the standard rejection rule: draft x is accepted with
+probability p(x), and a rejection leaves a token drawn from p without x, renormalized. So outputs keep the target
+distribution, and greedy or seeded requests get exactly the tokens they get without speculation.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +24,9 @@ from tokenmill.scheduler.output import SchedulerOutput
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> token, for the requests that sampled
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for those that asked
+    # request id -> its tokens (accepted drafts, then one sampled), for the requests that sampled.
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one per token, for those that asked
 
 
 class ModelRunner:
@@ -43,15 +52,34 @@ class ModelRunner:
         self.update_batch(out)
         if out.is_empty:
             return RunnerOutput()
+        self.batch.set_drafts(out.spec_token_ids)
         inputs = self.batch.prepare(out.num_scheduled_tokens)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache)
         rows = inputs.sample_rows
         if not len(rows):
             return RunnerOutput()
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        meta = self.batch.sampling_metadata(rows)
+        meta = self.batch.sampling_metadata(inputs.position_rows, inputs.position_offsets)
         tokens, logprobs = to_host(self.sampler.sample(logits, meta), meta.num_logprobs)
-        self.batch.append_sampled(rows, tokens)
-        request_ids = [self.batch.request_id(r) for r in rows.tolist()]
-        return RunnerOutput(dict(zip(request_ids, tokens)),
-                            {rid: lp for rid, lp in zip(request_ids, logprobs) if lp is not None})
+        accepted, start = [], 0
+        for row, n in zip(rows.tolist(), inputs.num_samples.tolist()):
+            accepted.append(accept(self.batch.drafts(row), tokens[start:start + n]))
+            start += n
+        self.batch.append_sampled(rows, accepted)
+        result, start = RunnerOutput(), 0
+        for row, n, kept in zip(rows.tolist(), inputs.num_samples.tolist(), accepted):
+            request_id = self.batch.request_id(row)
+            result.sampled[request_id] = kept
+            if logprobs[start] is not None:
+                result.logprobs[request_id] = logprobs[start:start + len(kept)]
+            start += n
+        return result
+
+
+def accept(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The step's tokens of one request: ``sampled[j]`` was sampled after drafts[:j]; drafts are kept while each
+    equals the token sampled in its place, then the first token sampled after them ends the list."""
+    for j, draft in enumerate(drafts):
+        if sampled[j] != draft:
+            return sampled[:j + 1]
+    return sampled[:len(drafts) + 1]

@@ -35,6 +35,8 @@ class Request:
     # Every id that ends generation (the model's EOS ids), unless sampling_params.ignore_eos.
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    # Requests share cached prefix blocks only when their salts are equal (vLLM's cache_salt, per tenant).
+    cache_salt: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -45,6 +47,13 @@ class Request:
     # Physical KV blocks, in logical order; they cover at least num_computed_tokens.
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Prefix caching (kvcache/manager.py): hashes of the full blocks of all_token_ids seen so far; how many leading
+    # block_ids are in the prefix cache; prompt tokens found cached when first admitted (usage.cached_tokens).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int = 0
+    # Draft tokens to verify in the next step (speculative decoding); proposed after each step, consumed by the next.
+    spec_token_ids: list[int] = field(default_factory=list)
     # What stopped the request: a token id, a stop string, or None (EOS, length, abort).
     stop_reason: int | str | None = None
 
@@ -75,6 +84,12 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first ``num_output_tokens`` outputs (a stop string ended the request before the rest)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
 
     def check_token_stop(self) -> RequestStatus | None:
         """The stop that the last sampled token triggers, if any (stop strings are the detokenizer's)."""

@@ -45,14 +45,8 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name
     top = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, max_tokens, top)
-    requests = make_requests(ctx, [prompt], params, body.n, "messages", arrival)
+    requests = make_requests(ctx, [prompt], params, body.n, "messages", arrival, body.cache_salt)
     return Tracker(ctx, "chat", arrival, key_name, requests)
-
-
-def _usage(tracker: Tracker) -> dict[str, int]:
-    prompt = len(tracker.requests[0].prompt_token_ids)
-    completion = tracker.num_output_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def chat_response(ctx: ServerContext, body: ChatCompletionRequest, tracker: Tracker) -> dict[str, Any]:
@@ -69,7 +63,7 @@ async def chat_response(ctx: ServerContext, body: ChatCompletionRequest, tracker
                 "logprobs": {"content": logprobs[i]} if body.logprobs else None, "finish_reason": reasons[i]}
                for i in range(len(texts))]
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": ctx.model_name, "choices": choices, "usage": _usage(tracker), "system_fingerprint": None}
+            "model": ctx.model_name, "choices": choices, "usage": tracker.usage(body.n), "system_fingerprint": None}
 
 
 async def chat_stream(ctx: ServerContext, body: ChatCompletionRequest, tracker: Tracker) -> AsyncIterator[str]:
@@ -100,5 +94,5 @@ async def chat_stream(ctx: ServerContext, body: ChatCompletionRequest, tracker: 
     except APIError as exc:
         yield json.dumps(exc.body())
     if include_usage:
-        yield json.dumps({**head, "choices": [], "usage": _usage(tracker)})
+        yield json.dumps({**head, "choices": [], "usage": tracker.usage(body.n)})
     yield "[DONE]"

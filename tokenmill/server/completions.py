@@ -34,14 +34,8 @@ async def prepare_completion(ctx: ServerContext, body: CompletionRequest, key_na
         raise bad_request("echo together with logprobs (prompt logprobs) is not supported yet", param="echo")
     prompts = await _prompts(ctx, body.prompt)
     params = sampling_params(body, body.max_tokens, body.logprobs)
-    requests = make_requests(ctx, prompts, params, body.n, "prompt", arrival)
+    requests = make_requests(ctx, prompts, params, body.n, "prompt", arrival, body.cache_salt)
     return Tracker(ctx, "completions", arrival, key_name, requests)
-
-
-def _usage(tracker: Tracker, n: int) -> dict[str, int]:
-    prompt = sum(len(r.prompt_token_ids) for r in tracker.requests[::n])  # each prompt once, whatever its n
-    completion = tracker.num_output_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _echo_prefixes(ctx: ServerContext, body: CompletionRequest, tracker: Tracker) -> list[str]:
@@ -66,7 +60,7 @@ async def completion_response(ctx: ServerContext, body: CompletionRequest, track
     choices = [{"index": i, "text": texts[i], "logprobs": logprobs[i] if body.logprobs is not None else None,
                 "finish_reason": reasons[i]} for i in range(len(texts))]
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": ctx.model_name, "choices": choices, "usage": _usage(tracker, body.n), "system_fingerprint": None}
+            "model": ctx.model_name, "choices": choices, "usage": tracker.usage(body.n), "system_fingerprint": None}
 
 
 async def completion_stream(ctx: ServerContext, body: CompletionRequest, tracker: Tracker) -> AsyncIterator[str]:
@@ -97,5 +91,5 @@ async def completion_stream(ctx: ServerContext, body: CompletionRequest, tracker
     except APIError as exc:
         yield json.dumps(exc.body())
     if include_usage:
-        yield json.dumps({**head, "choices": [], "usage": _usage(tracker, body.n)})
+        yield json.dumps({**head, "choices": [], "usage": tracker.usage(body.n)})
     yield "[DONE]"

@@ -49,18 +49,34 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(P + name, doc, labels=["model_name"])
             gauge.add_metric([self.model], value)
             yield gauge
-        for name, doc, value in (
-            ("num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
-             stats.num_preemptions_total),
+        counters = [
+            ("num_preemptions", "Requests preempted (KV blocks freed, recomputed later).", stats.num_preemptions_total),
             ("requests_aborted", "Requests aborted before finishing (client gone, cancelled).",
              stats.num_aborted_total),
             ("engine_decode_steps", "Engine steps in which every scheduled request decoded one token.",
              stats.num_decode_steps_total),
             ("engine_decode_step_seconds", "Wall time of those steps (mean decode step = its rate / the steps' rate).",
              stats.decode_step_seconds_total),
-        ):
-            counter = CounterMetricFamily(P + name, doc, labels=["model_name"])
-            counter.add_metric([self.model], value)
+            ("prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache.",
+             stats.prefix_cache_queries_total),
+            ("prefix_cache_hits", "Of those tokens, the ones found cached (their KV reused, not computed).",
+             stats.prefix_cache_hits_total),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
+             stats.spec_num_draft_tokens_total),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens_total),
+            ("spec_decode_num_draft_tokens_per_pos", "Draft tokens verified at each draft position (0 = first).",
+             stats.spec_drafted_by_position),
+            ("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position; over the "
+             "drafted ones it is the acceptance rate by position.", stats.spec_accepted_by_position),
+        ]
+        for name, doc, value in counters:
+            by_position = isinstance(value, list)
+            counter = CounterMetricFamily(P + name, doc, labels=["model_name", "position"] if by_position
+                                          else ["model_name"])
+            for position, v in enumerate(value) if by_position else ():
+                counter.add_metric([self.model, str(position)], v)
+            if not by_position:
+                counter.add_metric([self.model], value)
             yield counter
 
 

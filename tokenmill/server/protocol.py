@@ -41,6 +41,8 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM's prefix-cache isolation: requests share cached prompt blocks only with requests of the same salt.
+    cache_salt: str | None = Field(None, min_length=1)
 
     @field_validator("stop")
     @classmethod

@@ -48,7 +48,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
 
 
 def make_requests(ctx: ServerContext, prompts: list[list[int]], params: SamplingParams, n: int, prompt_param: str,
-                  arrival: float) -> list[EngineRequest]:
+                  arrival: float, cache_salt: str | None = None) -> list[EngineRequest]:
     """One engine request per (prompt, choice), validated; admission control on their total promise."""
     requests = []
     for prompt in prompts:
@@ -56,7 +56,7 @@ def make_requests(ctx: ServerContext, prompts: list[list[int]], params: Sampling
             # The n choices are separate requests; seeded ones get distinct, reproducible seeds.
             choice = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             try:
-                requests.append(ctx.client.make_request(prompt, choice, arrival, uuid.uuid4().hex))
+                requests.append(ctx.client.make_request(prompt, choice, arrival, uuid.uuid4().hex, cache_salt))
             except ContextLengthError as exc:
                 ctx.metrics.reject("context_length")
                 raise bad_request(str(exc), param=prompt_param, code="context_length_exceeded") from None
@@ -77,6 +77,7 @@ class _Progress:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -99,6 +100,7 @@ class Tracker:
         m, model = self.ctx.metrics, self.ctx.model_name
         p = self._progress[out.request_id]
         p.num_output_tokens = out.num_output_tokens
+        p.num_cached_tokens = out.num_cached_tokens
         if out.new_token_ids:
             if p.first_token_time is None:
                 p.first_token_time = now
@@ -131,6 +133,16 @@ class Tracker:
     @property
     def num_output_tokens(self) -> int:
         return sum(p.num_output_tokens for p in self._progress.values())
+
+    def usage(self, n: int) -> dict:
+        """OpenAI's usage object. ``requests`` are n choices per prompt; each prompt counts once, as its first
+        choice saw it (cached_tokens: its prompt tokens served from the prefix cache)."""
+        firsts = self.requests[::n]
+        prompt = sum(len(r.prompt_token_ids) for r in firsts)
+        cached = sum(self._progress[r.request_id].num_cached_tokens for r in firsts)
+        completion = self.num_output_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def log_line(self, status: int) -> None:
         """One line per HTTP request: never the prompt, never the key itself."""

@@ -1,0 +1,123 @@
+"""A fake model runner for scheduler tests: it keeps a fake KV cache and computes each next token from what that cache
+holds, so a block shared by mistake, a prefix hit with the wrong contents or a write into a shared block changes the
+outputs or fails an assertion."""
+
+import random
+
+from tokenmill.sampling.params import SamplingParams
+from tokenmill.scheduler.request import Request
+from tokenmill.scheduler.scheduler import Scheduler
+
+VOCAB = 97
+
+
+def fake_next_token(tokens: list[int]) -> int:
+    """A deterministic 'model': the next token depends on the whole context, as a real one does."""
+    return (sum(t * (i + 1) for i, t in enumerate(tokens)) + 7) % VOCAB
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int, seed: int = 0, prefix: list[int] | None = None,
+                 cache_salt: str | None = None) -> Request:
+    """A random prompt of ``prompt_len`` tokens after an optional shared ``prefix``."""
+    rng = random.Random(seed)
+    prompt = list(prefix or []) + [rng.randrange(1, VOCAB) for _ in range(prompt_len)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens=max_tokens,
+                   cache_salt=cache_salt)
+
+
+class FakeRunner:
+    """A runner that knows only what SchedulerOutput tells it (the real runner's contract): it keeps each request's
+    tokens, blocks and computed count from the diffs, writes each computed token into its KV slot, samples
+    fake_next_token over the tokens read back from the request's slots, and drops dropped rows."""
+
+    def __init__(self, sched: Scheduler):
+        self.block_size, self.pool = sched.kv.block_size, sched.kv.pool
+        self.rows: dict[str, dict] = {}
+        self.kv: dict[int, int] = {}  # flat slot -> the token whose K/V it holds
+
+    def _slot(self, row: dict, position: int) -> int:
+        return row["blocks"][position // self.block_size] * self.block_size + position % self.block_size
+
+    def _verify(self, row: dict, drafts: list[int]) -> list[int]:
+        """The model's token after each accepted draft, from the KV read back: accepted drafts, then its own."""
+        tokens = []
+        for j in range(len(drafts) + 1):
+            context = [self.kv[self._slot(row, p)] for p in range(len(row["tokens"]) + j)]
+            tokens.append(fake_next_token(context))
+            if j == len(drafts) or tokens[-1] != drafts[j]:
+                return tokens
+        return tokens
+
+    def execute(self, out) -> dict[str, list[int]]:
+        for rid in out.finished_ids + out.preempted_ids:
+            self.rows.pop(rid, None)
+        for new in out.new_requests:
+            assert new.request_id not in self.rows
+            self.rows[new.request_id] = {"tokens": list(new.token_ids), "blocks": list(new.block_ids),
+                                         "computed": new.num_computed_tokens}
+        for diff in out.running:
+            row = self.rows[diff.request_id]
+            row["blocks"] = row["blocks"][:diff.num_blocks - len(diff.new_block_ids)] + diff.new_block_ids
+            row["computed"] = diff.num_computed_tokens
+        sampled = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            row = self.rows[rid]
+            assert n > 0, f"{rid} is scheduled with no token to compute"
+            assert len(row["blocks"]) * self.block_size >= row["computed"] + n  # the chunk has KV blocks
+            drafts = out.spec_token_ids.get(rid, [])
+            known = row["tokens"] + drafts
+            for position in range(row["computed"], row["computed"] + n):
+                block = row["blocks"][position // self.block_size]
+                assert self.pool.blocks[block].ref_cnt == 1, f"{rid} writes into shared block {block}"
+                self.kv[self._slot(row, position)] = known[position]
+            if row["computed"] + n == len(known):
+                sampled[rid] = self._verify(row, drafts)
+                row["tokens"] += sampled[rid]
+        return sampled
+
+
+def run_step(sched: Scheduler, budget_seen: list[int] | None = None, propose=None):
+    """One step through the fake runner; ``propose(request)``, when given, sets each running request's drafts after
+    it, as the engine's proposer does."""
+    runner = sched.__dict__.setdefault("_fake_runner", FakeRunner(sched))
+    out = sched.schedule()
+    assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
+    assert len(sched.running) <= sched.max_num_seqs
+    if budget_seen is not None:
+        budget_seen.append(out.total_num_scheduled_tokens)
+    sampled = runner.execute(out)
+    for rid in out.num_scheduled_tokens:  # the runner's view equals the scheduler's
+        req, row = sched.requests[rid], runner.rows[rid]
+        assert (row["blocks"], row["computed"]) == (req.block_ids, req.num_computed_tokens)
+        assert row["tokens"][:req.num_tokens] == req.all_token_ids
+    finished = sched.update(out, sampled)
+    sched.check_integrity()
+    if propose is not None:
+        for request in sched.running:
+            if request.num_tokens - request.num_computed_tokens == 1:
+                request.spec_token_ids = propose(request)
+    return out, finished
+
+
+def drain(sched: Scheduler, max_steps: int = 10_000, propose=None):
+    outs = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return outs
+        outs.append(run_step(sched, propose=propose)[0])
+    raise AssertionError("scheduler did not finish")
+
+
+def run_step_sampled(sched: Scheduler):
+    """run_step, returning the tokens sampled in the step instead of the finished requests."""
+    before = {rid: r.num_output_tokens for rid, r in sched.requests.items()}
+    out, _ = run_step(sched)
+    reqs = {**{r.request_id: r for r in sched.running}, **{r.request_id: r for r in sched.waiting}}
+    return out, {rid: r.output_token_ids[-1] for rid, r in reqs.items() if r.num_output_tokens > before.get(rid, 0)}
+
+
+def expected_output(req: Request) -> list[int]:
+    tokens = list(req.prompt_token_ids)
+    for _ in range(req.max_tokens):
+        tokens.append(fake_next_token(tokens))
+    return tokens[req.num_prompt_tokens:]
