@@ -13,6 +13,7 @@ Writes the raw JSON (--out, default benchmarks/results/<feature>.json) and print
 
     python benchmarks/cost_cuts.py --feature prefix-caching
     python benchmarks/cost_cuts.py --feature ngram
+    python benchmarks/cost_cuts.py --feature prefix-caching --only random --rounds 3   # off, on, off, on, ...
 """
 
 from __future__ import annotations
@@ -40,18 +41,21 @@ FLAGS = {"prefix-caching": (["--no-enable-prefix-caching"], ["--enable-prefix-ca
 def loads(args) -> dict[str, dict]:
     common = {**DEFAULTS, "base_url": f"http://127.0.0.1:{PORT}/v1", "vocab_size": 49152, "warmup": 1,
               "hourly_cost": args.hourly_cost}
-    rand = {**common, "input_len": 256, "output_len": 64, "concurrency": args.random_concurrency}
+    rand = {**common, "input_len": 256, "output_len": 64, "concurrency": args.random_concurrency,
+            "temperature": args.random_temperature}
     if args.feature == "prefix-caching":
-        return {"shared-prefix": {**common, "dataset": "shared-prefix", "prefix_len": args.prefix_len,
-                                  "input_len": args.input_len, "output_len": 32, "concurrency": args.concurrency},
-                "random": rand}
-    return {"copy": {**common, "dataset": "copy", "endpoint": "chat", "input_len": 0, "output_len": 96,
-                     "concurrency": args.concurrency}, "random": rand}
+        found = {"shared-prefix": {**common, "dataset": "shared-prefix", "prefix_len": args.prefix_len,
+                                   "input_len": args.input_len, "output_len": 32, "concurrency": args.concurrency},
+                 "random": rand}
+    else:
+        found = {"copy": {**common, "dataset": "copy", "endpoint": "chat", "input_len": 0, "output_len": 96,
+                          "concurrency": args.concurrency}, "random": rand}
+    return {name: load for name, load in found.items() if args.only in (None, name)}
 
 
-def sweep(flags: list[str], args) -> dict[str, list[dict]]:
+def sweep(flags: list[str], args, round_index: int) -> dict[str, list[dict]]:
     name = "on" if flags == FLAGS[args.feature][1] else "off"
-    log = open(Path(args.work) / f"{args.feature}-{name}.log", "w")
+    log = open(Path(args.work) / f"{args.feature}-{name}-{round_index}.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill", "serve", "--port", str(PORT), *flags], stdout=log,
                             stderr=subprocess.STDOUT, cwd=ROOT)
     try:
@@ -61,9 +65,10 @@ def sweep(flags: list[str], args) -> dict[str, list[dict]]:
         for load, settings in loads(args).items():
             levels = []
             for c in (int(level) for level in str(settings["concurrency"]).split(",")):
-                print(f"{args.feature} {name}, {load}: concurrency {c}", file=sys.stderr)
-                levels += run_sweep({**settings, "model": model, "concurrency": str(c), "num_prompts": max(8, 4 * c),
-                                     "seed": args.seed + c})["levels"]
+                print(f"{args.feature} {name} (round {round_index}), {load}: concurrency {c}", file=sys.stderr)
+                for level in run_sweep({**settings, "model": model, "concurrency": str(c),
+                                        "num_prompts": max(8, 4 * c), "seed": args.seed + c})["levels"]:
+                    levels.append({**level, "round": round_index})
             out[load] = levels
         return out
     finally:
@@ -72,16 +77,16 @@ def sweep(flags: list[str], args) -> dict[str, list[dict]]:
 
 
 def table(results: dict[str, dict[str, list[dict]]]) -> str:
-    lines = ["| load | feature | concurrency | req/s | output tok/s | total tok/s | TTFT p50 / p99 ms | TPOT p50 ms | "
-             "prefix hits | drafts accepted | $/M total tokens | errors |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| load | feature | concurrency | round | req/s | output tok/s | total tok/s | TTFT p50 / p99 ms | "
+             "TPOT p50 ms | prefix hits | drafts accepted | $/M total tokens | errors |", "|---" * 13 + "|"]
     for load in results["off"]:
         for name in ("off", "on"):
-            for lv in results[name][load]:
+            for lv in sorted(results[name][load], key=lambda lv: (lv["concurrency"], lv["round"])):
                 server = lv.get("server") or {}
                 hit, accepted = server.get("prefix_cache_hit_rate"), server.get("spec_acceptance_rate")
                 cost = lv.get("usd_per_million_total_tokens")
                 lines.append(
-                    f"| {load} | {name} | {lv['concurrency']} | {lv['request_throughput']:.3f} | "
+                    f"| {load} | {name} | {lv['concurrency']} | {lv['round']} | {lv['request_throughput']:.3f} | "
                     f"{lv['output_tok_per_s']:.1f} | {lv['total_tok_per_s']:.1f} | {lv['ttft_s']['p50'] * 1e3:.0f} / "
                     f"{lv['ttft_s']['p99'] * 1e3:.0f} | {(lv['tpot_s']['p50'] or 0) * 1e3:.1f} | "
                     f"{'-' if hit is None else f'{hit:.0%}'} | {'-' if accepted is None else f'{accepted:.0%}'} | "
@@ -97,12 +102,20 @@ def main() -> int:
     parser.add_argument("--prefix-len", type=int, default=1000)
     parser.add_argument("--input-len", type=int, default=1100)
     parser.add_argument("--hourly-cost", type=float, default=0.10, help="USD per hour of the machine (cost column)")
+    parser.add_argument("--only", help="run one load only (e.g. random)")
+    parser.add_argument("--random-temperature", type=float, default=0.0,
+                        help="of the random load (greedy SmolLM2 repeats itself on random prompts: drafts match)")
+    parser.add_argument("--rounds", type=int, default=1, help="off, on, off, on, ...: servers alternate")
     parser.add_argument("--seed", type=int, default=20261130)
     parser.add_argument("--work", default="/tmp/tokenmill-cost-cuts")
     parser.add_argument("--out", help="raw JSON (default benchmarks/results/<feature>.json)")
     args = parser.parse_args()
     Path(args.work).mkdir(parents=True, exist_ok=True)
-    results = {"off": sweep(FLAGS[args.feature][0], args), "on": sweep(FLAGS[args.feature][1], args)}
+    results: dict[str, dict[str, list[dict]]] = {"off": {}, "on": {}}
+    for round_index in range(args.rounds):
+        for name, flags in zip(("off", "on"), FLAGS[args.feature]):
+            for load, levels in sweep(flags, args, round_index).items():
+                results[name].setdefault(load, []).extend(levels)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     raw = {"command": f"python benchmarks/cost_cuts.py {' '.join(sys.argv[1:])}", "date": time.strftime("%Y-%m-%d"),

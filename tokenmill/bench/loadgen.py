@@ -31,6 +31,7 @@ class LoadSpec:
     endpoint: str  # "completions" | "chat"
     output_len: int
     timeout: float = 600.0
+    temperature: float = 0.0
 
 
 def random_prompts(count: int, length: int, vocab_size: int, seed: int | None) -> list[list[int]]:
@@ -59,7 +60,7 @@ def dataset_prompts(path: str, count: int) -> list[Any]:
 
 
 def _body(spec: LoadSpec, prompt: Any, detokenize: Callable[[list[int]], str] | None) -> tuple[str, dict]:
-    common = {"model": spec.model, "max_tokens": spec.output_len, "stream": True, "temperature": 0.0,
+    common = {"model": spec.model, "max_tokens": spec.output_len, "stream": True, "temperature": spec.temperature,
               "ignore_eos": True, "min_tokens": spec.output_len, "stream_options": {"include_usage": True}}
     if spec.endpoint == "chat":
         text = detokenize(prompt) if isinstance(prompt, list) and detokenize else str(prompt)

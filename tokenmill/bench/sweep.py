@@ -24,7 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "base_url": "http://127.0.0.1:8000/v1", "model": None, "api_key": None, "concurrency": "1,8,16,32,64",
     "input_len": 2048, "output_len": 512, "dataset": None, "num_prompts": None, "warmup": 2, "seed": None,
     "max_seconds": None, "endpoint": "completions", "hourly_cost": None, "out": None, "vocab_size": None,
-    "tokenizer": None, "label": None, "prefix_len": 1000,
+    "tokenizer": None, "label": None, "prefix_len": 1000, "temperature": 0.0,
 }
 # Built-in datasets (other --dataset values are JSONL files): random (the default); shared-prefix, whose prompts share
 # their first prefix_len tokens; copy, chat requests whose answers repeat their prompt (bench/copy_texts.py).
@@ -125,8 +125,8 @@ def _prompts(settings: dict, count: int, seed: int) -> list:
 
 def run_sweep(settings: dict) -> dict:
     """Every level in turn; raises BenchError when every request of a level fails."""
-    spec = LoadSpec(normalize_base_url(settings["base_url"]), settings["model"], settings["api_key"], settings["endpoint"],
-                    settings["output_len"])
+    spec = LoadSpec(normalize_base_url(settings["base_url"]), settings["model"], settings["api_key"],
+                    settings["endpoint"], settings["output_len"], temperature=settings["temperature"])
     detokenize = _detokenizer(settings)
     levels = [int(c) for c in str(settings["concurrency"]).split(",")]
     seed = settings["seed"] if settings["seed"] is not None else time.time_ns()
