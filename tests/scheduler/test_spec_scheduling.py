@@ -86,3 +86,16 @@ def test_random_workload_with_drafts_aborts_preemptions_and_shared_prefixes():
     assert sched.kv.pool.num_free_blocks == 14
     assert sched.num_preemptions_total > 0 and sched.kv.prefix_hits_total > 0
     assert 0 < sched.spec.num_accepted_tokens_total < sched.spec.num_draft_tokens_total
+
+
+def test_drafts_that_do_not_fit_are_dropped_not_paid_for_with_a_preemption():
+    sched = scheduler(num_blocks=4)
+    a, b = make_request("a", 7, 10, seed=1), make_request("b", 7, 10, seed=2)
+    for r in (a, b):
+        sched.add_request(r)
+    run_step(sched)  # 7 prompt tokens + 1 output each: 2 blocks each, the pool is full
+    a.spec_token_ids = expected_output(a)[1:4]  # right drafts, but positions 8..10 need a third block
+    out, _ = run_step(sched)
+    assert out.preempted_ids == [] and out.spec_token_ids == {} and out.num_scheduled_tokens == {"a": 1, "b": 1}
+    drain(sched)
+    assert a.output_token_ids == expected_output(a) and b.output_token_ids == expected_output(b)

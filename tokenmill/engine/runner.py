@@ -61,18 +61,16 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         meta = self.batch.sampling_metadata(inputs.position_rows, inputs.position_offsets)
         tokens, logprobs = to_host(self.sampler.sample(logits, meta), meta.num_logprobs)
-        accepted, start = [], 0
-        for row, n in zip(rows.tolist(), inputs.num_samples.tolist()):
-            accepted.append(accept(self.batch.drafts(row), tokens[start:start + n]))
-            start += n
-        self.batch.append_sampled(rows, accepted)
-        result, start = RunnerOutput(), 0
-        for row, n, kept in zip(rows.tolist(), inputs.num_samples.tolist(), accepted):
+        result, accepted, start = RunnerOutput(), [], 0
+        for row, n in zip(rows.tolist(), inputs.num_samples.tolist()):  # n = 1 + the row's drafts
+            kept = accept(self.batch.drafts(row), tokens[start:start + n])
+            accepted.append(kept)
             request_id = self.batch.request_id(row)
             result.sampled[request_id] = kept
             if logprobs[start] is not None:
                 result.logprobs[request_id] = logprobs[start:start + len(kept)]
             start += n
+        self.batch.append_sampled(rows, accepted)
         return result
 
 

@@ -94,9 +94,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts = self._drafts(request, n, budget)
-            n += len(drafts)
             known_blocks = len(request.block_ids)
+            drafts = self._drafts(request, n, budget)
+            if drafts and not self.kv.allocate_slots(request, n + len(drafts)):
+                drafts = []  # drafts are verified only where they fit: they never cost a preemption
+            n += len(drafts)
             if not self._make_room(request, n, out):
                 break  # `request` itself was preempted; every request after it too.
             out.running.append(RunningRequestData(request.request_id, request.block_ids[known_blocks:],
