@@ -115,9 +115,13 @@ def bench_all(args) -> dict[str, list[dict]]:
     return results
 
 
+def cpu_name() -> str:
+    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), platform.processor())
+
+
 def write_markdown(args, results: dict[str, list[dict]], path: Path) -> None:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = cpu_name()
     lines = ["# tokenmill side by side", "",
              f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores ({cpu}), SmolLM2-135M-Instruct, "
              f"{args.input_len} random prompt tokens + {args.output_len} forced output tokens per request, streaming "

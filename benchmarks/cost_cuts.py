@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from compare_cpu import wait_ready  # benchmarks/ is sys.path[0] when a script here runs
+from compare_cpu import cpu_name, wait_ready  # benchmarks/ is sys.path[0] when a script here runs
 from tokenmill.bench.sweep import DEFAULTS, run_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,10 +115,8 @@ def main() -> int:
         for name, flags in zip(("off", "on"), FLAGS[args.feature]):
             for load, levels in sweep(flags, args, round_index).items():
                 results[name].setdefault(load, []).extend(levels)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
     raw = {"command": f"python benchmarks/cost_cuts.py {' '.join(sys.argv[1:])}", "date": time.strftime("%Y-%m-%d"),
-           "cpu": cpu, "cores": os.cpu_count(), "results": results}
+           "cpu": cpu_name(), "cores": os.cpu_count(), "results": results}
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"{args.feature}.json")
     out.write_text(json.dumps(raw, indent=2) + "\n")
     print(table(results))

@@ -121,11 +121,11 @@ class EngineCore:
         return StepOutputs(outputs, self.stats())
 
     def _propose(self) -> None:
-        """Drafts for every running request whose next step is a decode, from its own tokens."""
+        """Drafts for every running request whose next step is a decode, from its own tokens (the scheduler cuts
+        them to the step's budget and the request's max_tokens)."""
         for request in self.scheduler.running:
             if request.num_tokens - request.num_computed_tokens == 1:
-                room = request.max_tokens - request.num_output_tokens - 1
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids, min(room, self.proposer.k))
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids)
 
     def _report(self, request: Request, tokens: list[int], logprobs: list, now: float) -> RequestOutput:
         """The step's output of one request; a stop string found after token i drops the tokens after it."""

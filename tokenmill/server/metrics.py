@@ -70,12 +70,12 @@ class _EngineCollector(Collector):
              "drafted ones it is the acceptance rate by position.", stats.spec_accepted_by_position),
         ]
         for name, doc, value in counters:
-            by_position = isinstance(value, list)
-            counter = CounterMetricFamily(P + name, doc, labels=["model_name", "position"] if by_position
-                                          else ["model_name"])
-            for position, v in enumerate(value) if by_position else ():
-                counter.add_metric([self.model, str(position)], v)
-            if not by_position:
+            if isinstance(value, list):  # one value per draft position
+                counter = CounterMetricFamily(P + name, doc, labels=["model_name", "position"])
+                for position, v in enumerate(value):
+                    counter.add_metric([self.model, str(position)], v)
+            else:
+                counter = CounterMetricFamily(P + name, doc, labels=["model_name"])
                 counter.add_metric([self.model], value)
             yield counter
 
