@@ -90,6 +90,7 @@ def test_scheduler_reaches_neither_torch_nor_models(module):
 
 
 SERVER_MAY_IMPORT = ("tokenmill.engine.client", "tokenmill.engine.messages", "tokenmill.sampling.params",
+                     "tokenmill.structured.spec", "tokenmill.structured.grammar", "tokenmill.tools",
                      "tokenmill.config", "tokenmill.logs", "tokenmill.server")
 
 

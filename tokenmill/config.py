@@ -24,7 +24,9 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
 
 # Fields only `tokenmill serve` uses; the other commands take the rest.
 SERVER_FIELDS = frozenset({"host", "port", "served_model_name", "api_key", "api_key_file", "auth_all_endpoints",
-                           "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json", "engine_process"})
+                           "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json", "engine_process",
+                           "tool_call_parser", "max_request_body_bytes", "max_n", "max_stop_sequences",
+                           "max_stop_length", "max_logit_bias", "max_stop_token_ids", "max_prompts", "max_tools"})
 
 
 class ConfigError(ValueError):
@@ -101,10 +103,22 @@ class EngineConfig(BaseSettings):
         2.0, gt=0, description="admit while promised tokens (prompt + max_tokens of live requests) <= this x "
                                "KV cache tokens; beyond it requests get 429")
     log_json: bool = Field(False, description="one JSON object per log line")
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "deepseek_v3"] = Field(
+        "auto", description="the model's tool-call format; auto = read from its chat template (hermes when it has "
+                            "none)")
+    # --- request limits (each a 400 naming the parameter)
+    max_request_body_bytes: int = Field(4 * 2**20, gt=0, description="largest request body (accepts '4MiB')")
+    max_n: int = Field(16, gt=0, description="most choices (n) per prompt")
+    max_stop_sequences: int = Field(16, gt=0, description="most stop strings per request")
+    max_stop_length: int = Field(256, gt=0, description="most characters in one stop string")
+    max_logit_bias: int = Field(1024, gt=0, description="most logit_bias entries per request")
+    max_stop_token_ids: int = Field(256, gt=0, description="most stop_token_ids per request")
+    max_prompts: int = Field(64, gt=0, description="most prompts in one /v1/completions request")
+    max_tools: int = Field(128, gt=0, description="most tools in one chat request")
     engine_process: bool = Field(True, description="run the engine core in its own process (--no-engine-process: "
                                                    "on a thread of the API process, one GIL for both)")
 
-    @field_validator("kv_cache_memory", mode="before")
+    @field_validator("kv_cache_memory", "max_request_body_bytes", mode="before")
     @classmethod
     def _parse_size(cls, value: Any) -> int:
         return parse_byte_size(value)

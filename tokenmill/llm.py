@@ -69,14 +69,17 @@ class LLM:
                                               time.monotonic()))
         return request_id
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
-                 ) -> list[GenerationResult]:
-        """One result per prompt, in order. A prompt is a string or a list of token ids."""
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
+        """One result per prompt, in order. A prompt is a string or a list of token ids; ``params`` is one for all
+        prompts or one per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = params or SamplingParams()
+        per_prompt = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         results, pending = [], {}
-        for prompt in prompts:
+        for prompt, params in zip(prompts, per_prompt):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             result = GenerationResult(prompt if isinstance(prompt, str) else None, ids, [])
             for index in range(params.n):

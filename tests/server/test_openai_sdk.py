@@ -144,8 +144,18 @@ def test_async_stream(aclient):
     ({"n": 0}, "n"),
     ({"max_tokens": 100_000}, "messages"),
     ({"logit_bias": {"999999999": 5}}, "logit_bias"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format.json_schema.schema"),
+    ({"extra_body": {"guided_regex": "(a"}}, "guided_regex"),
+    ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"stop": ["a"] * 17}, "stop"),
+    ({"stop": "s" * 257}, "stop"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"extra_body": {"stop_token_ids": list(range(257))}}, "stop_token_ids"),
+    ({"n": 17}, "n"),
 ])
 def test_bad_values_are_400_naming_the_param(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:

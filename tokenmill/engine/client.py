@@ -5,10 +5,8 @@ event loop), request validation against the loaded engine's ``EngineInfo``, admi
 request fed by the engine's outputs. The engine core itself runs in a child process (engine/process.py) or, with
 ``in_process``, on a thread beside the server.
 
-Admission: the client keeps the token *promise* (prompt + max_tokens) of every request it admitted and has not
-released; ``reserve`` refuses requests whose promise would push the total past ``admission_limit`` tokens, so
-overload becomes a fast, explicit rejection instead of an unbounded queue. A reservation is made when the request is
-admitted (before its stream starts) and released when it ends, or by ``release``.
+Admission control (engine/admission.py) refuses requests whose token promise does not fit, with a Retry-After
+estimated from how fast admitted work drains.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.admission import Admission
 from tokenmill.engine.messages import (EngineInfo, EngineRequest, EngineStats, RequestOutput, StepOutputs,
                                        validate_request)
 from tokenmill.engine.process import EngineDeadError, EngineProcess, InProcessEngine
@@ -41,9 +40,7 @@ class EngineClient:
         self.engine_in_own_process = not in_process
         self.info: EngineInfo | None = None
         self.stats = EngineStats()  # the engine's counters after its latest step
-        self.admission_limit = 0
-        self.promised_tokens = 0
-        self._promises: dict[str, int] = {}  # request id -> reserved tokens (event-loop thread only)
+        self.admission = Admission(0)  # sized when the engine is ready (event-loop thread only)
         self._live: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
@@ -60,7 +57,7 @@ class EngineClient:
         else:  # one process: transformers' lazy imports are not safe to race from two threads
             self.info = self._engine.start(self._on_step, self._on_dead)
             self.tokenizer = load_tokenizer()
-        self.admission_limit = int(self.info.kv_capacity_tokens * self.config.admission_overcommit)
+        self.admission = Admission(int(self.info.kv_capacity_tokens * self.config.admission_overcommit))
         return self.info
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -72,16 +69,28 @@ class EngineClient:
         return self.info is not None and self.error is None
 
     @property
+    def admission_limit(self) -> int:
+        return self.admission.limit
+
+    @property
+    def promised_tokens(self) -> int:
+        return self.admission.promised_tokens
+
+    @property
     def saturation(self) -> float:
         """Promised tokens over the admission limit: 1.0 means new requests are being refused."""
         return self.promised_tokens / self.admission_limit if self.admission_limit else 0.0
 
     # --- tokenizer, off the event loop
-    async def encode(self, text: str) -> list[int]:
-        return await self._off_loop(self.tokenizer.encode, text)
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._off_loop(self.tokenizer.encode, text, add_special_tokens)
 
-    async def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return await self._off_loop(self.tokenizer.apply_chat_template, messages)
+    async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                                  tools: list[dict] | None = None) -> list[int]:
+        return await self._off_loop(self.tokenizer.apply_chat_template, messages, add_generation_prompt, tools)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._off_loop(self.tokenizer.decode, token_ids, False)
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
@@ -95,20 +104,16 @@ class EngineClient:
                              arrival_time, cache_salt)
 
     def reserve(self, requests: list[EngineRequest]) -> bool:
-        """Admit ``requests`` together if their promise fits, reserving it. An idle server admits anything that
-        passed validation, so no single valid request is refused forever."""
-        promise = sum(len(r.prompt_token_ids) + r.max_tokens for r in requests)
-        if self._promises and self.promised_tokens + promise > self.admission_limit:
-            return False
-        for r in requests:
-            self._promises[r.request_id] = len(r.prompt_token_ids) + r.max_tokens
-        self.promised_tokens += promise
-        return True
+        """Admit ``requests`` together if their promise (prompt + max_tokens) fits, reserving it."""
+        return self.admission.reserve({r.request_id: len(r.prompt_token_ids) + r.max_tokens for r in requests})
+
+    def retry_after(self, requests: list[EngineRequest]) -> int:
+        """Seconds a refused client should wait before ``requests`` would fit."""
+        return self.admission.retry_after(sum(len(r.prompt_token_ids) + r.max_tokens for r in requests))
 
     def release(self, request_ids: list[str]) -> None:
         """Give back reservations (idempotent: a request's own end already released it)."""
-        for rid in request_ids:
-            self.promised_tokens -= self._promises.pop(rid, 0)
+        self.admission.release(request_ids)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit ``request`` and yield its outputs until it finishes. Closing the iterator early (the client

@@ -22,9 +22,12 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.models.loader import open_checkpoint
 from tokenmill.models.tokenizer import Tokenizer
 from tokenmill.runtime import keep_freed_memory_in_heap, resident_memory_bytes
+from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.speculative.ngram import NgramProposer
+from tokenmill.structured.grammar import GrammarCompiler
+from tokenmill.structured.matchers import GrammarMatchers
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,10 @@ class EngineCore:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                        config.prompt_lookup_max) if config.speculative_method == "ngram" else None)
+        vocab_size = self.model_config.vocab_size
+        self.grammars = GrammarMatchers(GrammarCompiler(self.tokenizer.hf, vocab_size,
+                                                        list(self.model_config.eos_token_ids)),
+                                        vocab_size)
         self.num_aborted_total = 0
         self.num_decode_steps_total, self.decode_step_seconds_total = 0, 0.0
         self._rss, self._rss_time = 0, float("-inf")  # read at most once a second, not every step
@@ -65,17 +72,22 @@ class EngineCore:
 
     # --- requests
     def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; GrammarError (a ValueError) when its grammar does not compile, and nothing is queued."""
         params = request.params
+        if params.grammar is not None:
+            self.grammars.add(request.request_id, params.grammar)
         self.scheduler.add_request(Request(
             request.request_id, list(request.prompt_token_ids), params, max_tokens=request.max_tokens,
             eos_token_ids=self.model_config.eos_token_ids, arrival_time=request.arrival_time,
             cache_salt=request.cache_salt))
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
+            self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens,
+            params.include_stop_str_in_output)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
         self._detokenizers.pop(request_id, None)
+        self.grammars.remove(request_id)
         if request is None:
             return None
         self.num_aborted_total += 1
@@ -100,12 +112,14 @@ class EngineCore:
     def step(self) -> StepOutputs:
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        self._grammar_bitmasks(out)
         result = self.runner.execute(out)
         if out.is_empty:
             return StepOutputs([], self.stats())
         scheduled = [self.scheduler.requests[rid] for rid in result.sampled]
         before = [request.num_output_tokens for request in scheduled]
         self.scheduler.update(out, result.sampled)
+        self._advance_grammars(scheduled, before)
         now = time.monotonic()
         outputs = []
         for request, num_before in zip(scheduled, before):
@@ -122,10 +136,33 @@ class EngineCore:
 
     def _propose(self) -> None:
         """Drafts for every running request whose next step is a decode, from its own tokens (the scheduler cuts
-        them to the step's budget and the request's max_tokens)."""
+        them to the step's budget and the request's max_tokens; a grammar cuts them to what it accepts)."""
         for request in self.scheduler.running:
             if request.num_tokens - request.num_computed_tokens == 1:
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids)
+                drafts = self.proposer.propose(request.all_token_ids)
+                if drafts and request.request_id in self.grammars:
+                    drafts = self.grammars.valid_drafts(request.request_id, drafts)
+                request.spec_token_ids = drafts
+
+    # --- structured outputs
+    def _grammar_bitmasks(self, out: SchedulerOutput) -> None:
+        """The allowed tokens of each constrained request that samples this step, at each position it samples."""
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            if request_id not in self.grammars:
+                continue
+            request, drafts = self.scheduler.requests[request_id], out.spec_token_ids.get(request_id, [])
+            if request.num_computed_tokens + num_tokens == request.num_tokens + len(drafts):
+                out.grammar_bitmasks[request_id] = self.grammars.bitmask(request_id, drafts)
+
+    def _advance_grammars(self, scheduled: list[Request], before: list[int]) -> None:
+        """Feed each constrained request's kept tokens to its matcher; a complete output finishes the request (also
+        when ignore_eos let the grammar's stop token through)."""
+        for request, num_before in zip(scheduled, before):
+            rid = request.request_id
+            if rid in self.grammars:
+                complete = self.grammars.accept(rid, request.output_token_ids[num_before:])
+                if complete and not request.is_finished:
+                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     def _report(self, request: Request, tokens: list[int], logprobs: list, now: float) -> RequestOutput:
         """The step's output of one request; a stop string found after token i drops the tokens after it."""
@@ -144,6 +181,7 @@ class EngineCore:
                 break
         if request.is_finished:
             del self._detokenizers[request.request_id]
+            self.grammars.remove(request.request_id)
         return RequestOutput(request.request_id, tokens, delta, request.num_prompt_tokens,
                              request.num_output_tokens, finished=request.is_finished,
                              num_cached_tokens=request.num_cached_tokens,

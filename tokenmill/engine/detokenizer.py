@@ -3,7 +3,8 @@
 Invariants:
 - every delta is valid text: a character whose bytes are split across tokens is held back until complete;
 - the deltas of a finished request concatenate to exactly its final ``text``, which is
-  ``tokenizer.decode(output_token_ids)`` cut before the first stop string (the stop string is never emitted);
+  ``tokenizer.decode(output_token_ids)`` cut before the first stop string (or after it, with
+  ``include_stop_str``: vLLM's include_stop_str_in_output);
 - while a request runs, the last ``len(longest stop string) - 1`` characters are held back, since they may be
   the start of a stop string that the next tokens complete.
 """
@@ -23,10 +24,11 @@ class Decoder(Protocol):
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, include_stop_str: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
+        self.include_stop_str = include_stop_str
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         # tokens[prefix_offset:read_offset] is the decoded window whose text already sits in self.text.
@@ -68,5 +70,5 @@ class IncrementalDetokenizer:
         hits = [(idx, s) for s in self.stop if (idx := self.text.find(s, start)) != -1]
         if hits:
             idx, s = min(hits)
-            self.text = self.text[:idx]
+            self.text = self.text[:idx + len(s) if self.include_stop_str else idx]
             self.stopped_by = s

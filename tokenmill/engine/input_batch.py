@@ -177,11 +177,13 @@ class InputBatch:
             num_samples=num_samples, position_rows=np.repeat(sample_rows, num_samples), position_offsets=offsets,
             logits_indices=torch.from_numpy(last - np.repeat(num_samples - 1, num_samples) + offsets).to(**to))
 
-    def sampling_metadata(self, rows: np.ndarray, offsets: np.ndarray | None = None) -> SamplingMetadata:
+    def sampling_metadata(self, rows: np.ndarray, offsets: np.ndarray | None = None,
+                          grammar_bitmasks: dict[str, np.ndarray] | None = None) -> SamplingMetadata:
         """The sampling parameters of the step's sampled positions as tensors: position i samples for row
         ``rows[i]`` after ``offsets[i]`` of its drafts (default 0), as if those drafts were already its outputs:
         its output index, min_tokens bans and penalty counts count them, so a verified draft is judged exactly as
-        the token sampled without speculation would be."""
+        the token sampled without speculation would be. ``grammar_bitmasks``: request id -> the allowed tokens at
+        each of its positions (offset j = row j of its bitmask)."""
         offsets = np.zeros(len(rows), dtype=np.int64) if offsets is None else offsets
         num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows] + offsets
         def t(values: np.ndarray) -> torch.Tensor:
@@ -205,10 +207,20 @@ class InputBatch:
             m.output_counts, m.prompt_mask = self.output_counts[index], self.prompt_mask[index]
             self._count_drafts(rows, offsets, m.output_counts)
         self._sparse_terms(rows, num_outputs, m)
+        if grammar_bitmasks:
+            self._grammar_masks(rows, offsets, grammar_bitmasks, m)
         if (self.num_logprobs[rows] >= 0).any():
             m.num_logprobs = self.num_logprobs[rows].tolist()
             m.max_logprobs = max(m.num_logprobs)
         return m
+
+    def _grammar_masks(self, rows: np.ndarray, offsets: np.ndarray, bitmasks: dict[str, np.ndarray],
+                       m: SamplingMetadata) -> None:
+        picked = [(i, bitmasks[rid][j]) for i, (r, j) in enumerate(zip(rows.tolist(), offsets.tolist()))
+                  if (rid := self._request_ids[r]) in bitmasks]
+        if picked:
+            m.grammar_rows = torch.tensor([i for i, _ in picked], dtype=torch.long, device=self.device)
+            m.grammar_bitmask = torch.from_numpy(np.stack([mask for _, mask in picked])).to(self.device)
 
     def _count_drafts(self, rows: np.ndarray, offsets: np.ndarray, counts: torch.Tensor) -> None:
         """Add to each position's output counts [P, V] the drafts before it."""

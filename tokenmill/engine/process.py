@@ -26,7 +26,7 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.messages import EngineInfo, EngineRequest, StepOutputs
+from tokenmill.engine.messages import EngineInfo, EngineRequest, RequestOutput, StepOutputs
 from tokenmill.logs import configure_logging
 
 log = logging.getLogger(__name__)
@@ -96,10 +96,17 @@ class InProcessEngine:
 
 
 def apply_commands(core, adds: list[EngineRequest], aborts: list[str]) -> StepOutputs:
-    """Queue ``adds``, apply ``aborts``, then run one step if there is work; aborts are reported as outputs."""
+    """Queue ``adds``, apply ``aborts``, then run one step if there is work; aborts are reported as outputs, and so
+    is a request the engine refused (a grammar that does not compile: the API process validated it, so this is rare)."""
+    refused = []
     for request in adds:
-        core.add_request(request)
-    aborted = [out for rid in aborts if (out := core.abort(rid)) is not None]
+        try:
+            core.add_request(request)
+        except ValueError as exc:
+            log.error("request %s refused by the engine: %s", request.request_id, exc)
+            refused.append(RequestOutput(request.request_id, [], "", len(request.prompt_token_ids), 0,
+                                         finished=True, finish_reason="abort"))
+    aborted = refused + [out for rid in aborts if (out := core.abort(rid)) is not None]
     step = core.step() if core.has_unfinished() else StepOutputs([], core.stats())
     step.outputs[:0] = aborted
     return step

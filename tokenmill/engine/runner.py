@@ -59,7 +59,7 @@ class ModelRunner:
         if not len(rows):
             return RunnerOutput()
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        meta = self.batch.sampling_metadata(inputs.position_rows, inputs.position_offsets)
+        meta = self.batch.sampling_metadata(inputs.position_rows, inputs.position_offsets, out.grammar_bitmasks)
         tokens, logprobs = to_host(self.sampler.sample(logits, meta), meta.num_logprobs)
         result, accepted, start = RunnerOutput(), [], 0
         for row, n in zip(rows.tolist(), inputs.num_samples.tolist()):  # n = 1 + the row's drafts

@@ -29,10 +29,12 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; use a completion prompt instead")
-        rendered = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        rendered = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                               tokenize=False)
         # The template already holds the special tokens it needs (e.g. <|im_start|>).
         return self.encode(rendered, add_special_tokens=False)
 

@@ -31,6 +31,10 @@ class SamplingMetadata:
     # Tokens banned this step (EOS and stop token ids of rows still short of min_tokens): logits[ban_rows, ban_ids].
     ban_rows: torch.Tensor | None = None
     ban_ids: torch.Tensor | None = None
+    # Structured outputs: row grammar_rows[i] may only take the tokens set in grammar_bitmask[i] ([G, ceil(V/32)]
+    # int32, xgrammar's layout: bit t % 32 of word t // 32).
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
     # Random rows with their own seed: (index into random_rows, seed of this step); their noise depends on nothing
     # else.
     seeded: tuple[tuple[int, int], ...] = ()

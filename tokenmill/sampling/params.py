@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.structured.spec import GrammarSpec
+
 
 class SamplingParamError(ValueError):
     def __init__(self, param: str, message: str):
@@ -34,6 +36,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled token's)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text instead of being cut
+    grammar: GrammarSpec | None = None  # structured outputs: every output token keeps the text inside this grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,7 +1,7 @@
 """The batched sampler: one vectorized pass over the step's logits [S, V], whatever mix of parameters the rows have.
 
 Order (each stage skipped when no row uses it): logprobs of the raw logits -> repetition, frequency and presence
-penalties -> logit_bias -> min_tokens bans -> greedy rows take the argmax; the others divide by their temperature,
+penalties -> logit_bias -> min_tokens bans -> grammar masks (structured outputs) -> greedy rows take the argmax; the others divide by their temperature,
 filter top-k, then min-p, then top-p, and draw with the exponential race ``argmax(probs / E), E ~ Exp(1)``, which
 samples exactly from ``probs``.
 
@@ -48,6 +48,13 @@ def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> None:
     logits -= m.frequency_penalty[:, None] * counts + m.presence_penalty[:, None] * seen
 
 
+def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits [S, V]: rows[i] keeps only the tokens whose bit is set in bitmask[i] ([G, ceil(V/32)] int32)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.shape[-1]]  # [G, V]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
 def filter_top_k_top_p_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     """[R, V] temperature-scaled logits -> the same with filtered-out entries at -inf (each row keeps its best)."""
     if m.top_k is not None:
@@ -82,6 +89,8 @@ class Sampler:
             logits.index_put_((m.bias_rows, m.bias_ids), m.bias_values, accumulate=True)
         if m.ban_rows is not None:
             logits[m.ban_rows, m.ban_ids] = float("-inf")
+        if m.grammar_rows is not None:
+            apply_grammar_bitmask(logits, m.grammar_rows, m.grammar_bitmask)
         tokens = logits.argmax(-1)
         if m.random_rows is not None:
             tokens[m.random_rows] = self._draw(logits[m.random_rows], m)

@@ -10,6 +10,8 @@ Per step the runner learns:
 - ``num_scheduled_tokens``: tokens to compute now per request, in the step's order (new and running alike);
 - ``spec_token_ids``: draft tokens per decoding request, verified this step: they follow its known tokens and count
   in its ``num_scheduled_tokens`` (1 + drafts);
+- ``grammar_bitmasks``: for each constrained request that samples this step, the tokens its grammar allows at each
+  sampled position ([1 + drafts, ceil(V / 32)] int32 bitmask, structured/matchers.py);
 - ``finished_ids`` / ``preempted_ids``: rows to drop (finished or aborted since the last step; preempted now).
 A request samples in a step when its scheduled tokens reach the end of its known tokens (drafts included); the
 runner appends the sampled tokens (accepted drafts, then one of its own) to its own row, the scheduler to its Request
@@ -19,6 +21,7 @@ runner appends the sampled tokens (accepted drafts, then one of its own) to its 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.sampling.params import SamplingParams
 
@@ -47,6 +50,8 @@ class SchedulerOutput:
     running: list[RunningRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # numpy arrays, filled by the engine core after scheduling (the scheduler itself never imports numpy).
+    grammar_bitmasks: dict[str, Any] = field(default_factory=dict)
     finished_ids: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import threading
 import time
@@ -24,8 +25,12 @@ from tokenmill.server.auth import Authenticator
 from tokenmill.server.chat import chat_response, chat_stream, prepare_chat
 from tokenmill.server.completions import completion_response, completion_stream, prepare_completion
 from tokenmill.server.errors import APIError, install_error_handlers
-from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.server.limits import BodySizeLimit, RequestLimits, check_limits
+from tokenmill.server.openapi import (ChatCompletion, Completion, DetokenizeResponse, ModelList, TokenizeResponse,
+                                      error_responses, install_openapi)
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tokenmill.server.serving import ServerContext
+from tokenmill.server.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +108,17 @@ async def _unless_disconnected(request: Request, work: Any) -> Any:
     return None
 
 
-def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origins: list[str]) -> InFlight:
-    """The ASGI app to serve: the FastAPI app wrapped in in-flight accounting (also kept as state.in_flight)."""
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tokenmill")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origins: list[str],
+              max_body_bytes: int = RequestLimits.max_body_bytes) -> BodySizeLimit:
+    """The ASGI app to serve: the FastAPI app wrapped in in-flight accounting (kept as state.in_flight) and the
+    body-size limit."""
     def load_in_background() -> None:
         try:
             state.ctx = load()
@@ -118,8 +132,9 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
         threading.Thread(target=load_in_background, name="tokenmill-load", daemon=True).start()
         yield
 
-    app = FastAPI(title="tokenmill", lifespan=lifespan)
+    app = FastAPI(title="tokenmill", version=_version(), lifespan=lifespan)
     install_error_handlers(app)
+    install_openapi(app)
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"])
 
@@ -148,7 +163,7 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
             return Response("", media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(state.ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **error_responses(401, 503)})
     async def models(authorization: str | None = Header(None)) -> dict:
         key_name(authorization)
         ctx = state.ready_context()
@@ -167,18 +182,39 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
         name = key_name(authorization)
         ctx = state.ready_context()
         check_model(ctx, body.model)
+        check_limits(body, ctx.limits)
         tracker = await prepare(ctx, body, name, arrival)
         return await _respond(ctx, request, tracker, stream(ctx, body, tracker) if body.stream else None,
                               lambda: respond(ctx, body, tracker))
 
-    @app.post("/v1/chat/completions")
+    generation_errors = error_responses(400, 401, 404, 429, 500, 503)
+
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={200: {"model": ChatCompletion}, **generation_errors})
     async def chat(body: ChatCompletionRequest, request: Request, authorization: str | None = Header(None)):
         return await _generate(body, request, authorization, prepare_chat, chat_stream, chat_response)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses={200: {"model": Completion}, **generation_errors})
     async def completions(body: CompletionRequest, request: Request, authorization: str | None = Header(None)):
         return await _generate(body, request, authorization, prepare_completion, completion_stream,
                                completion_response)
+
+    def ready_for(authorization: str | None, model: str | None) -> ServerContext:
+        key_name(authorization)
+        ctx = state.ready_context()
+        if model is not None:
+            check_model(ctx, model)
+        return ctx
+
+    @app.post("/tokenize", response_model=None,
+              responses={200: {"model": TokenizeResponse}, **error_responses(400, 401, 404, 503)})
+    async def tokenize_route(body: TokenizeRequest, authorization: str | None = Header(None)) -> dict:
+        return await tokenize(ready_for(authorization, body.model), body)
+
+    @app.post("/detokenize", response_model=None,
+              responses={200: {"model": DetokenizeResponse}, **error_responses(400, 401, 404, 503)})
+    async def detokenize_route(body: DetokenizeRequest, authorization: str | None = Header(None)) -> dict:
+        return await detokenize(ready_for(authorization, body.model), body)
 
     async def _respond(ctx, request, tracker, stream, make_body):
         """Admission reserved the requests' tokens; every path out of here releases what they did not."""
@@ -199,4 +235,4 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
         return body if body is not None else Response(status_code=499)
 
     state.in_flight = InFlight(app)
-    return state.in_flight
+    return BodySizeLimit(state.in_flight, max_body_bytes)

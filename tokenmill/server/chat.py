@@ -1,7 +1,8 @@
-"""POST /v1/chat/completions, streaming (SSE) and not."""
+"""POST /v1/chat/completions, streaming (SSE) and not; tool calls in both."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -9,44 +10,73 @@ from typing import Any, AsyncIterator
 
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.logprobs import chat_logprobs
-from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.protocol import UNSUPPORTED, ChatCompletionRequest, ChatMessage
 from tokenmill.server.serving import ServerContext, Tracker, make_requests, merged_outputs, sampling_params
+from tokenmill.server.structured import requested_grammar
+from tokenmill.server.tool_calls import ToolPlan, plan_tools, tool_calls_message
+from tokenmill.tools.parser import ToolCallParser
+from tokenmill.tools.prompt import render_messages
 
 
 def _reject_unsupported(body: ChatCompletionRequest) -> None:
-    if body.tools or body.functions:
-        raise bad_request("tools / function calling is not supported yet", param="tools")
-    if body.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice is not supported yet", param="tool_choice")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format type 'text' is supported yet", param="response_format")
+    for name, reason in UNSUPPORTED.items():
+        if getattr(body, name) is not None:
+            raise bad_request(reason, param=name)
+    if body.modalities and body.modalities != ["text"]:
+        raise bad_request("only text output is supported", param="modalities")
 
 
-def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+def openai_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Request messages -> plain dicts (developer -> system), with 400s for what cannot be served."""
     out = []
-    for i, m in enumerate(body.messages):
+    for i, m in enumerate(messages):
+        if m.audio is not None or m.function_call is not None:
+            raise bad_request("audio and function_call in messages are not supported", param=f"messages.{i}")
         if isinstance(m.content, list):
             if any(part.type != "text" or part.text is None for part in m.content):
                 raise bad_request("only text content parts are supported", param=f"messages.{i}.content")
             content = "".join(part.text for part in m.content)
         else:
             content = m.content or ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        if m.role == "tool" and m.tool_call_id is None:
+            raise bad_request("a tool message needs tool_call_id", param=f"messages.{i}.tool_call_id")
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
 
 
 async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name: str | None,
                        arrival: float) -> Tracker:
     _reject_unsupported(body)
+    plan = plan_tools(ctx, body)
+    constraint = requested_grammar(body)
+    if plan.active and constraint is not None:
+        raise bad_request("an output constraint cannot be combined with tools unless tool_choice is 'none'",
+                          param=constraint[0])
     try:
-        prompt = await ctx.client.apply_chat_template(_messages(body))
+        messages = render_messages(openai_messages(body.messages), plan.tools, ctx.tool_format, plan.native)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    try:
+        prompt = await ctx.client.apply_chat_template(messages, tools=plan.tools if plan.native else None)
     except Exception as exc:  # a template may raise anything (jinja errors, its own raise_exception)
         raise bad_request(f"the chat template refused these messages: {exc}", param="messages") from None
     top = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, max_tokens, top)
+    grammar = plan.grammar or (constraint[1] if constraint else None)
+    if grammar is not None:
+        params = dataclasses.replace(params, grammar=grammar)
     requests = make_requests(ctx, [prompt], params, body.n, "messages", arrival, body.cache_salt)
-    return Tracker(ctx, "chat", arrival, key_name, requests)
+    return Tracker(ctx, "chat", arrival, key_name, requests, tools=plan)
+
+
+def _finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
+    return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
 
 
 async def chat_response(ctx: ServerContext, body: ChatCompletionRequest, tracker: Tracker) -> dict[str, Any]:
@@ -59,20 +89,32 @@ async def chat_response(ctx: ServerContext, body: ChatCompletionRequest, tracker
         texts[index] += out.delta_text
         logprobs[index] += chat_logprobs(tokenizer, out)
         reasons[index] = out.finish_reason
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i], "refusal": None},
-                "logprobs": {"content": logprobs[i]} if body.logprobs else None, "finish_reason": reasons[i]}
-               for i in range(len(texts))]
+    choices = []
+    for i, text in enumerate(texts):
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        parser = None
+        if tracker.tools.active:
+            parser = ToolCallParser(ctx.tool_format)
+            parser.feed(text)
+            parser.finish()
+            message = tool_calls_message(parser)
+        choices.append({"index": i, "message": message, "logprobs": {"content": logprobs[i]} if body.logprobs
+                        else None, "finish_reason": _finish_reason(reasons[i], parser)})
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": ctx.model_name, "choices": choices, "usage": tracker.usage(body.n), "system_fingerprint": None}
 
 
 async def chat_stream(ctx: ServerContext, body: ChatCompletionRequest, tracker: Tracker) -> AsyncIterator[str]:
-    """SSE data payloads: a role chunk per choice, content chunks, finish_reason on each choice's last chunk,
-    an optional usage chunk with empty choices, then [DONE]. One id and created for all chunks."""
+    """SSE data payloads: a role chunk per choice, content (and tool-call) chunks, finish_reason on each choice's last
+    chunk, an optional usage chunk with empty choices, then [DONE]. One id and created for all chunks.
+
+    Tool calls stream as OpenAI's: a call's first delta carries its index, id, type and name with empty arguments;
+    the next ones carry argument fragments, which concatenate to the call's arguments."""
     tokenizer = ctx.client.tokenizer
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": ctx.model_name, "system_fingerprint": None}
+    parsers = [ToolCallParser(ctx.tool_format) if tracker.tools.active else None for _ in tracker.requests]
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
@@ -88,9 +130,24 @@ async def chat_stream(ctx: ServerContext, body: ChatCompletionRequest, tracker: 
         async for index, out in merged_outputs(ctx.client, tracker.requests):
             tracker.observe(out)
             lps = chat_logprobs(tokenizer, out) if body.logprobs else None
-            if out.delta_text or out.finished or lps:
-                delta = {"content": out.delta_text} if out.delta_text or lps else {}
-                yield chunk(index, delta, out.finish_reason if out.finished else None, lps)
+            content, calls, parser = out.delta_text, [], parsers[index]
+            if parser is not None:
+                content, calls = parser.feed(out.delta_text)
+                if out.finished:
+                    content += parser.finish()[0]
+            if calls and (content or lps):  # text before a call comes before it
+                yield chunk(index, {"content": content}, None, lps)
+                content, lps = "", None
+            for call in calls:
+                fragment: dict[str, Any] = {"index": call.index, "function": {"arguments": call.arguments}}
+                if call.id is not None:
+                    fragment.update(id=call.id, type="function")
+                    fragment["function"]["name"] = call.name
+                yield chunk(index, {"tool_calls": [fragment]})
+            if content or out.finished or lps:
+                delta = {"content": content} if content or lps else {}
+                reason = _finish_reason(out.finish_reason, parser) if out.finished else None
+                yield chunk(index, delta, reason, lps)
     except APIError as exc:
         yield json.dumps(exc.body())
     if include_usage:

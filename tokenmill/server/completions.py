@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -10,6 +11,7 @@ from typing import Any, AsyncIterator
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.logprobs import completion_logprobs
 from tokenmill.server.protocol import CompletionRequest
+from tokenmill.server.structured import requested_grammar
 from tokenmill.server.serving import ServerContext, Tracker, make_requests, merged_outputs, sampling_params
 
 
@@ -34,6 +36,9 @@ async def prepare_completion(ctx: ServerContext, body: CompletionRequest, key_na
         raise bad_request("echo together with logprobs (prompt logprobs) is not supported yet", param="echo")
     prompts = await _prompts(ctx, body.prompt)
     params = sampling_params(body, body.max_tokens, body.logprobs)
+    constraint = requested_grammar(body)
+    if constraint is not None:
+        params = dataclasses.replace(params, grammar=constraint[1])
     requests = make_requests(ctx, prompts, params, body.n, "prompt", arrival, body.cache_salt)
     return Tracker(ctx, "completions", arrival, key_name, requests)
 

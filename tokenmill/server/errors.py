@@ -47,6 +47,11 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return bad_request(f"request body is not valid JSON: {first.get('msg')}").response()
         param = _validation_param(tuple(first.get("loc", ())))
+        unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+        if unknown:  # OpenAI's words for a field it does not know
+            names = ", ".join(str(e["loc"][-1]) for e in unknown)
+            param = _validation_param(tuple(unknown[0]["loc"]))
+            return bad_request(f"Unrecognized request argument supplied: {names}", param=param).response()
         message = "; ".join(f"{_validation_param(tuple(e['loc'])) or 'body'}: {e['msg']}" for e in errors[:5])
         return bad_request(message, param=param).response()
 

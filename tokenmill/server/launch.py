@@ -19,7 +19,9 @@ from tokenmill.server.app import ServerState, build_app
 from tokenmill.server.auth import Authenticator, load_keys
 from tokenmill.logs import configure_logging
 from tokenmill.server.metrics import Metrics
+from tokenmill.server.limits import RequestLimits
 from tokenmill.server.serving import ServerContext
+from tokenmill.tools.formats import detect_format
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,10 @@ def _loader(config: EngineConfig, clients: list[EngineClient]):
         info = client.start()
         log.info("serving %s: KV cache %d tokens, admission limit %d promised tokens", info.model_name,
                  info.kv_capacity_tokens, client.admission_limit)
-        return ServerContext(client, Metrics(client, info.model_name), info.model_name)
+        tool_format = detect_format(client.tokenizer.hf.chat_template, config.tool_call_parser)
+        log.info("tool calls: %s format", tool_format.name)
+        return ServerContext(client, Metrics(client, info.model_name), info.model_name,
+                             RequestLimits.from_config(config), tool_format)
     return load
 
 
@@ -69,7 +74,7 @@ def serve(config: EngineConfig) -> int:
     keys = load_keys(config.api_key, config.api_key_file)
     state = ServerState(Authenticator(keys), config.auth_all_endpoints)
     clients: list[EngineClient] = []
-    asgi = build_app(state, _loader(config, clients), config.cors_origins)
+    asgi = build_app(state, _loader(config, clients), config.cors_origins, config.max_request_body_bytes)
     uv_config = uvicorn.Config(asgi, host=config.host, port=config.port, log_config=None,
                                timeout_graceful_shutdown=1, access_log=False)
     server = DrainingServer(uv_config, state, config.shutdown_timeout)

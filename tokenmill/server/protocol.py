@@ -1,7 +1,13 @@
-"""OpenAI request bodies (and vLLM's extra sampling fields), validated by pydantic.
+"""OpenAI request bodies (and the vLLM extensions tokenmill honors), validated by pydantic.
 
-Unknown fields are accepted and ignored, as OpenAI clients send many (metadata, store, ...); known fields
-that would change the answer in ways tokenmill does not implement are refused with a 400 that says so.
+The contract is strict: a field nobody documents is a 400 naming it ("Unrecognized request argument supplied"), as
+OpenAI answers. Accepted fields are of three kinds:
+- honored: they change the answer as OpenAI (or vLLM, for its extensions) documents;
+- accepted and without effect on the answer by their definition: ``user``, ``metadata``, ``store``,
+  ``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``prediction`` (a latency hint);
+- known but not served here (audio, web search, reasoning controls, the deprecated ``functions``): a 400 that says
+  so (``UNSUPPORTED``), never a silent drop.
+Sizes (stop strings, logit_bias entries, prompts, the body) are bounded by server/limits.py.
 """
 
 from __future__ import annotations
@@ -10,20 +16,54 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-MAX_N = 16
+# OpenAI's own fields that tokenmill refuses, with the reason given in the 400.
+UNSUPPORTED = {
+    "functions": "the deprecated functions/function_call are not supported; send tools and tool_choice",
+    "function_call": "the deprecated functions/function_call are not supported; send tools and tool_choice",
+    "audio": "audio output is not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "this model does not take reasoning_effort",
+    "verbosity": "this model does not take verbosity",
+}
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's; there is no obfuscation to switch off
 
 
-class SamplingFields(BaseModel):
+class JsonSchemaFormat(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Strict):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
+class SamplingFields(Strict):
     """Fields shared by both endpoints; ranges are checked again by SamplingParams."""
 
-    model_config = ConfigDict(extra="allow")
-
     model: str
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -33,14 +73,29 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Accepted, no effect on the answer (see the module docstring).
     user: str | None = None
-    # vLLM's extras, sent by benchmark tools.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's sampling extensions.
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # vLLM's prefix-cache isolation: requests share cached prompt blocks only with requests of the same salt.
     cache_salt: str | None = Field(None, min_length=1)
 
@@ -60,17 +115,57 @@ class SamplingFields(BaseModel):
         return value
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ContentPart(Strict):
     type: str
     text: str | None = None
+    # Non-text parts are named so that they get "only text content parts are supported", not "unrecognized".
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    refusal: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+class FunctionCall(Strict):
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    refusal: str | None = None  # assistant, as OpenAI returns it
+    audio: Any = None
+    function_call: Any = None
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -79,10 +174,18 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    modalities: list[Literal["text", "audio"]] | None = None
+    prediction: dict[str, Any] | None = None
+    # Refused with a reason (UNSUPPORTED); typed loosely so that the reason, not a type error, is what comes back.
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -92,3 +195,20 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+class TokenizeRequest(Strict):
+    """vLLM's POST /tokenize: a completion prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]

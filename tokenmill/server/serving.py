@@ -15,13 +15,12 @@ from tokenmill.engine.messages import ContextLengthError, EngineRequest, Request
 from tokenmill.sampling.params import SamplingParamError, SamplingParams
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.metrics import Metrics
+from tokenmill.server.limits import RequestLimits
 from tokenmill.server.protocol import SamplingFields
+from tokenmill.server.tool_calls import ToolPlan
+from tokenmill.tools.formats import HERMES, ToolFormat
 
 log = logging.getLogger("tokenmill.requests")
-
-# Seconds a client refused by admission control is told to wait: about one decode burst on a busy server.
-RETRY_AFTER_SECONDS = 1
-
 
 @dataclass
 class ServerContext:
@@ -30,12 +29,16 @@ class ServerContext:
     client: EngineClient
     metrics: Metrics
     model_name: str
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    tool_format: ToolFormat = HERMES
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """OpenAI/vLLM fields -> SamplingParams; a bad value becomes a 400 naming the parameter."""
     fields = dict(n=1, max_tokens=max_tokens, stop=body.stop, seed=body.seed, logprobs=logprobs,
                   min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or [],
+                  include_stop_str_in_output=body.include_stop_str_in_output,
+                  skip_special_tokens=body.skip_special_tokens,
                   logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None)
     optional = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                     presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
@@ -67,7 +70,7 @@ def make_requests(ctx: ServerContext, prompts: list[list[int]], params: Sampling
     if not ctx.client.reserve(requests):
         ctx.metrics.reject("admission")
         raise APIError(429, "The server is at capacity (promised KV tokens); retry later.", "rate_limit_error",
-                       code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                       code="rate_limit_exceeded", headers={"Retry-After": str(ctx.client.retry_after(requests))})
     return requests
 
 
@@ -89,6 +92,7 @@ class Tracker:
     arrival: float
     key_name: str | None
     requests: list[EngineRequest]
+    tools: ToolPlan = field(default_factory=ToolPlan)  # chat: how its output is read for tool calls
     _progress: dict[str, _Progress] = field(default_factory=dict)
     finish_reasons: list[str | None] = field(default_factory=list)
 

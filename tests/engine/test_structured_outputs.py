@@ -1,0 +1,96 @@
+"""Structured outputs on SmolLM2 (fp32): every constrained output is judged by an independent checker (jsonschema, re,
+json) -- greedy and seeded rows, mixed in one batch with unconstrained rows that must not notice, with n-gram drafts,
+under ignore_eos and under max_tokens."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+import xgrammar as xgr
+
+from tokenmill import SamplingParams
+from tokenmill.structured.spec import GrammarSpec
+from tests.engine.test_speculative import drafting
+
+PERSON = {"type": "object", "additionalProperties": False,
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+                         "color": {"enum": ["red", "green", "blue"]},
+                         "pets": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 2},
+                         "nickname": {"anyOf": [{"type": "string", "maxLength": 12}, {"type": "null"}]}},
+          "required": ["name", "age", "color", "pets", "nickname"]}
+SCHEMA = GrammarSpec("json_schema", json.dumps(PERSON))
+ASK = [{"role": "user", "content": "Describe a person as JSON: name, age, favourite color, pets, nickname."}]
+
+
+@pytest.fixture(scope="module")
+def ask_ids(smollm_llm):
+    return smollm_llm.tokenizer.apply_chat_template(ASK)
+
+
+def constrained(max_tokens=120, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, grammar=SCHEMA, **{"temperature": 0.0, **kw})
+
+
+def test_outputs_validate_in_a_mixed_batch(smollm_llm, ask_ids, prompt_ids):
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = smollm_llm.generate([prompt_ids[0]], free)[0].outputs[0].token_ids
+    params = [constrained(), constrained(temperature=1.0, seed=7), constrained(temperature=1.0, seed=8), free]
+    outs = smollm_llm.generate([ask_ids, ask_ids, ask_ids, prompt_ids[0]], params)
+    for out in outs[:3]:
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+        assert out.outputs[0].finish_reason == "stop"
+    assert outs[3].outputs[0].token_ids == alone  # an unconstrained neighbour is untouched
+
+
+def test_choice_regex_and_json_object(smollm_llm):
+    ids = smollm_llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France? "
+                                                     "Answer as a JSON object with the key capital."}])
+    specs = [GrammarSpec("choice", json.dumps(["Paris", "Rome", "Berlin"])), GrammarSpec("regex", r"[A-Z][a-z]{2,8}"),
+             GrammarSpec("json_object")]
+    outs = smollm_llm.generate([ids] * 3, [SamplingParams(temperature=0.0, max_tokens=80, grammar=s)
+                                               for s in specs])
+    texts = [o.outputs[0].text for o in outs]
+    assert texts[0] in ("Paris", "Rome", "Berlin")
+    assert re.fullmatch(r"[A-Z][a-z]{2,8}", texts[1])
+    assert isinstance(json.loads(texts[2]), dict) and outs[2].outputs[0].finish_reason == "stop"
+
+
+def test_drafts_change_nothing(smollm_llm, ask_ids):
+    params = [constrained(), constrained(temperature=1.0, seed=3)]
+    plain = [o.outputs[0].token_ids for o in smollm_llm.generate([ask_ids] * 2, params)]
+    with drafting(smollm_llm):
+        drafted = [o.outputs[0].token_ids for o in smollm_llm.generate([ask_ids] * 2, params)]
+    assert drafted == plain
+
+
+def test_ignore_eos_still_ends_at_the_grammars_end(smollm_llm, ask_ids):
+    out = smollm_llm.generate([ask_ids], constrained(ignore_eos=True, max_tokens=200))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in smollm_llm.engine.model_config.eos_token_ids
+    jsonschema.validate(json.loads(out.text), PERSON)
+
+
+def test_max_tokens_cut_is_length_and_a_valid_prefix(smollm_llm, ask_ids):
+    """A cut output cannot be complete: finish_reason is "length" (OpenAI's contract: the SDK's parse() raises
+    LengthFinishReasonError), and every token of it is one the grammar accepts."""
+    out = smollm_llm.generate([ask_ids], constrained(max_tokens=6))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+    compiler = smollm_llm.engine.grammars.compiler
+    matcher = xgr.GrammarMatcher(compiler.compile(SCHEMA))
+    assert all(matcher.accept_token(t) for t in out.token_ids) and not matcher.is_terminated()
+
+
+def test_grammars_are_compiled_once_per_spec(smollm_llm, ask_ids):
+    compiler = smollm_llm.engine.grammars.compiler
+    spec = GrammarSpec("regex", r"(yes|no)")
+    before = compiler.num_compiled
+    smollm_llm.generate([ask_ids] * 2, SamplingParams(temperature=0.0, max_tokens=4, grammar=spec))
+    smollm_llm.generate([ask_ids], SamplingParams(temperature=0.0, max_tokens=4, grammar=GrammarSpec("regex",
+                                                                                                    r"(yes|no)")))
+    assert compiler.num_compiled == before + 1
+
+
+def test_a_bad_grammar_is_refused_and_nothing_is_queued(smollm_llm, ask_ids):
+    with pytest.raises(ValueError, match="parenthesis"):
+        smollm_llm.generate([ask_ids], SamplingParams(max_tokens=4, grammar=GrammarSpec("regex", "(")))
+    assert not smollm_llm.engine.has_unfinished()

@@ -1,0 +1,71 @@
+"""The grammar pieces against xgrammar itself and a plain loop: spec validation, the sampler's bitmask application,
+draft cutting and per-position masks, and the compile cache."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import xgrammar as xgr
+
+from tokenmill.sampling.sampler import apply_grammar_bitmask
+from tokenmill.structured.grammar import GrammarCompiler, GrammarError, build_grammar
+from tokenmill.structured.matchers import GrammarMatchers
+from tokenmill.structured.spec import GrammarSpec
+
+
+@pytest.mark.parametrize("spec, words", [
+    (GrammarSpec("json_schema", '{"type": "objectx"}'), "objectx"),
+    (GrammarSpec("regex", "(a"), "parenthesis"),
+    (GrammarSpec("grammar", 'root ::= "a" |'), "Expect element"),
+    (GrammarSpec("choice", "[]"), "non-empty"),
+    (GrammarSpec("structural_tag", '{"type": "nope"}'), ""),
+])
+def test_bad_specs_raise_grammar_error(spec, words):
+    with pytest.raises(GrammarError, match=words):
+        build_grammar(spec)
+
+
+def test_bitmask_application_matches_a_plain_loop():
+    rng = np.random.default_rng(0)
+    vocab = 77  # not a multiple of 32: the last word's high bits lie past the vocabulary
+    bitmask = rng.integers(-2**31, 2**31, size=(2, 3), dtype=np.int64).astype(np.int32)
+    logits = torch.randn(3, vocab)
+    expected = logits.clone()
+    for i, row in enumerate([0, 2]):
+        for t in range(vocab):
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                expected[row, t] = float("-inf")
+    apply_grammar_bitmask(logits, torch.tensor([0, 2]), torch.from_numpy(bitmask))
+    assert torch.equal(logits, expected)
+
+
+@pytest.fixture(scope="module")
+def matchers(smollm_llm):
+    tok = smollm_llm.tokenizer.hf
+    return GrammarMatchers(GrammarCompiler(tok, len(tok), [tok.eos_token_id]), len(tok))
+
+
+def test_drafts_are_cut_and_masked_per_position(matchers, smollm_llm):
+    encode = smollm_llm.tokenizer.hf.encode
+    matchers.add("r", GrammarSpec("regex", r"ab+c"))
+    a, b, c, x = (encode(s)[0] for s in "abcx")
+    assert matchers.valid_drafts("r", [a, b, x, c]) == [a, b]  # cut at the first token the grammar refuses
+    masks = matchers.bitmask("r", [a, b])
+    reference = xgr.GrammarMatcher(matchers.compiler.compile(GrammarSpec("regex", r"ab+c")))
+    for j, token in enumerate([a, b, None]):  # the mask after j drafts is a fresh matcher's after those tokens
+        row = xgr.allocate_token_bitmask(1, matchers.width * 32).numpy()[:, :matchers.width]
+        reference.fill_next_token_bitmask(row)
+        assert np.array_equal(masks[j], row[0])
+        if token is not None:
+            reference.accept_token(token)
+    assert not matchers.accept("r", [a, b, b]) and matchers.accept("r", [c, smollm_llm.tokenizer.eos_token_id])
+    matchers.remove("r")
+
+
+def test_compile_cache_is_keyed_by_spec(matchers):
+    before = matchers.compiler.num_compiled
+    schema = {"type": "object", "properties": {"k": {"type": "integer"}}}
+    for _ in range(3):
+        matchers.compiler.compile(GrammarSpec("json_schema", json.dumps(schema)))
+    assert matchers.compiler.num_compiled == before + 1

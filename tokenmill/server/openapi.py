@@ -1,0 +1,130 @@
+"""The OpenAPI document, made truthful: each operation lists the statuses the server really sends, with OpenAI's
+error body, and the shape of its 200 body; FastAPI's automatic 422 (never sent: validation errors are OpenAI 400s) is
+removed. The response models here are documentation only; a test checks real responses against them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class ChatCompletion(BaseModel):
+    """Without ``stream``; with it, the body is ``text/event-stream`` of ``chat.completion.chunk`` objects."""
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+
+
+class Completion(BaseModel):
+    """Without ``stream``; with it, the body is ``text/event-stream`` of ``text_completion`` objects."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+_ERRORS = {400: "invalid request (OpenAI's invalid_request_error; `param` names the field)",
+           401: "missing or unknown API key", 404: "unknown model", 429: "at capacity; see the Retry-After header",
+           500: "the engine failed while generating", 503: "loading, draining, or the engine has failed"}
+
+
+def error_responses(*statuses: int) -> dict[int, dict[str, Any]]:
+    return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
+
+
+def install_openapi(app: FastAPI) -> None:
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema["paths"].values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi

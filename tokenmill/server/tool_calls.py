@@ -1,0 +1,66 @@
+"""A chat request's tools -> how it is served (ToolPlan), and parsed calls -> OpenAI's assistant message."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from tokenmill.server.errors import bad_request
+from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.structured import validate
+from tokenmill.structured.spec import GrammarSpec
+from tokenmill.tools.formats import structural_tag
+from tokenmill.tools.parser import ToolCallParser
+from tokenmill.tools.prompt import template_knows_tools
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """``active``: the model is offered tools and its output is read for calls; ``tools``: the definitions the
+    prompt shows (OpenAI's shape); ``native``: the chat template renders them itself; ``grammar``: the structural
+    tag that keeps every call well formed (auto), or forces one (required, a named function)."""
+
+    active: bool = False
+    tools: list[dict] | None = None
+    native: bool = False
+    grammar: GrammarSpec | None = None
+
+
+def plan_tools(ctx, body: ChatCompletionRequest) -> ToolPlan:
+    """Validates tools and tool_choice (400s naming them). tool_choice defaults to auto with tools, none without;
+    with none the tools are left out of the prompt, so the model has nothing to call."""
+    choice = body.tool_choice
+    if choice is not None and choice != "none" and not body.tools:
+        raise bad_request("tool_choice needs tools", param="tool_choice")
+    native = template_knows_tools(ctx.client.tokenizer.hf.chat_template)
+    if not body.tools or choice == "none":
+        return ToolPlan(native=native)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tool function names must be unique", param="tools")
+    xgr_choice: str | dict = choice or "auto"
+    if not isinstance(xgr_choice, str):
+        if xgr_choice.function.name not in names:
+            raise bad_request(f"tool_choice names a function that is not in tools: {xgr_choice.function.name}",
+                              param="tool_choice")
+        xgr_choice = xgr_choice.model_dump()
+    for i, tool in enumerate(tools):
+        tool["function"].setdefault("parameters", {"type": "object", "properties": {}})
+        validate(f"tools.{i}.function.parameters",
+                 GrammarSpec("json_schema", json.dumps(tool["function"]["parameters"])))
+    spec = GrammarSpec("structural_tag", structural_tag(ctx.tool_format, tools, xgr_choice, body.parallel_tool_calls))
+    validate("tools", spec)
+    return ToolPlan(True, tools, native, spec)
+
+
+def tool_calls_message(parser: ToolCallParser) -> dict:
+    """The assistant message of a parsed output: its calls, and the text before them as content (None when there
+    are calls and no text, as OpenAI sends it)."""
+    content = parser.content
+    message = {"role": "assistant", "content": content, "refusal": None}
+    if parser.calls:
+        message["content"] = content if content.strip() else None
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in parser.calls]
+    return message
