@@ -1,9 +1,10 @@
 """What grammar masking costs: one `tokenmill serve` (SmolLM2, default settings), the same chat requests with and
 without a JSON schema, alternated round by round at each concurrency, so both see the same machine.
 
-Each request asks for a list and gets ``--max-tokens`` tokens: unconstrained ones with ignore_eos, constrained ones
-with a schema whose array of strings SmolLM2 keeps extending (a request the grammar ends early is reported, and its
-tokens counted as they are). Output tokens/s = all completion tokens / wall time of the level; TPOT from the stream.
+Each request asks for a list: unconstrained ones get ``--max-tokens`` tokens (ignore_eos), constrained ones a schema
+whose array of strings SmolLM2 keeps extending until the engine, near max_tokens, steers it to close the document
+(so they end a few tokens early, with finish_reason stop; counted as they are, and reported). Output tokens/s = all
+completion tokens / wall time of the level; TPOT (the per-token cost, the fairer comparison) from the stream.
 
     python benchmarks/structured.py                       # concurrency 1 and 16, 2 rounds
 Writes benchmarks/results/structured-outputs.json and prints a Markdown table.

@@ -34,3 +34,12 @@ def test_trailing_partial_character_is_flushed_at_finish(smollm_llm):
     ids = tok.encode("ok 🌊", add_special_tokens=False)
     _, deltas = feed(tok, ids[:-1])  # the request ends mid-character
     assert "".join(deltas) == tok.decode(ids[:-1])
+
+
+def test_include_stop_str_ends_the_text_after_the_stop_string(smollm_llm):
+    tok = smollm_llm.tokenizer
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [1, 2, 3], ["crème, 日"], include_stop_str=True)
+    deltas = [detok.update([t], finished=False) for t in ids]
+    assert detok.stopped_by == "crème, 日"
+    assert "".join(deltas) == TEXT[:TEXT.index("crème, 日") + len("crème, 日")]

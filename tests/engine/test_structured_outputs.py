@@ -70,9 +70,21 @@ def test_ignore_eos_still_ends_at_the_grammars_end(smollm_llm, ask_ids):
     jsonschema.validate(json.loads(out.text), PERSON)
 
 
-def test_max_tokens_cut_is_length_and_a_valid_prefix(smollm_llm, ask_ids):
-    """A cut output cannot be complete: finish_reason is "length" (OpenAI's contract: the SDK's parse() raises
-    LengthFinishReasonError), and every token of it is one the grammar accepts."""
+@pytest.mark.parametrize("max_tokens", [30, 45, 60])
+def test_near_max_tokens_the_output_is_steered_to_a_complete_document(smollm_llm, ask_ids, max_tokens):
+    """SmolLM2 lists pets until it runs out of tokens; near max_tokens the engine forces the shortest way out."""
+    schema = {**PERSON, "properties": {**PERSON["properties"], "pets": {"type": "array", "items": {"type": "string"}}}}
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    for params in (SamplingParams(temperature=0.0, max_tokens=max_tokens, grammar=spec),
+                   SamplingParams(temperature=1.0, seed=9, max_tokens=max_tokens, grammar=spec)):
+        out = smollm_llm.generate([ask_ids], params)[0].outputs[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) <= max_tokens
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_when_even_the_shortest_document_does_not_fit_it_is_length_and_a_valid_prefix(smollm_llm, ask_ids):
+    """The smallest PERSON document takes about 27 tokens: with 6 the output is cut, finish_reason "length" (the
+    SDK's parse() raises LengthFinishReasonError, as with OpenAI), and every token of it is one the grammar accepts."""
     out = smollm_llm.generate([ask_ids], constrained(max_tokens=6))[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 6
     compiler = smollm_llm.engine.grammars.compiler

@@ -141,6 +141,23 @@ def test_unknown_fields_are_named(fp32_server):
         assert r.json()["error"]["message"].startswith("Unrecognized request argument supplied")
 
 
+def test_list_limits_and_vllm_text_options(fp32_server, client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=["x"] * 65, max_tokens=1)
+    assert err.value.body["param"] == "prompt" and err.value.body["code"] == "limit_exceeded"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, tools=[
+            {"type": "function", "function": {"name": f"f{i}"}} for i in range(129)])
+    assert err.value.body["param"] == "tools"
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    kept = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=30, stop=[" is"],
+                                          extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == "The capital of France is"
+    raw = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=30,
+                                         extra_body={"skip_special_tokens": False})
+    assert raw.choices[0].message.content == "The capital of France is Paris.<|im_end|>"
+
+
 def test_body_size_limit(fp32_server):
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     big = b'{"model": "m", "prompt": "' + b"a" * (4 * 2**20) + b'"}'
@@ -163,6 +180,14 @@ def test_openapi_lists_the_real_statuses_and_shapes(fp32_server, client):
     error = httpx.post(fp32_server.base_url + "/chat/completions", json={"model": MODEL, "messages": []},
                        headers={"Authorization": f"Bearer {API_KEY}"}).json()
     check(chat["400"]["content"]["application/json"]["schema"], error)
+    # The request schema is the contract the server enforces: what it accepts validates, an unknown field does not.
+    request_schema = {**doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"], **resolver}
+    good = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 60,
+            "temperature": 0, "response_format": {"type": "text"}, "stream_options": {"include_usage": True}}
+    jsonschema.validate(good, request_schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**good, "frobnicate": 1}, request_schema)
     ok = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
                                         max_tokens=60, temperature=0)
     check(chat["200"]["content"]["application/json"]["schema"], ok.model_dump(exclude_unset=True))

@@ -1,14 +1,18 @@
-"""The grammar pieces against xgrammar itself and a plain loop: spec validation, the sampler's bitmask application,
-draft cutting and per-position masks, and the compile cache."""
+"""The grammar pieces against xgrammar itself, a plain loop and jsonschema: spec validation, the sampler's bitmask
+application, draft cutting and per-position masks, the compile cache, and the closing text that steers an output to
+its end near max_tokens."""
 
 import json
+import re
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
 
 from tokenmill.sampling.sampler import apply_grammar_bitmask
+from tokenmill.structured.closing import closing_text
 from tokenmill.structured.grammar import GrammarCompiler, GrammarError, build_grammar
 from tokenmill.structured.matchers import GrammarMatchers
 from tokenmill.structured.spec import GrammarSpec
@@ -43,7 +47,8 @@ def test_bitmask_application_matches_a_plain_loop():
 @pytest.fixture(scope="module")
 def matchers(smollm_llm):
     tok = smollm_llm.tokenizer.hf
-    return GrammarMatchers(GrammarCompiler(tok, len(tok), [tok.eos_token_id]), len(tok))
+    return GrammarMatchers(GrammarCompiler(tok, len(tok), [tok.eos_token_id]), len(tok), smollm_llm.tokenizer,
+                           [tok.eos_token_id])
 
 
 def test_drafts_are_cut_and_masked_per_position(matchers, smollm_llm):
@@ -69,3 +74,32 @@ def test_compile_cache_is_keyed_by_spec(matchers):
     for _ in range(3):
         matchers.compiler.compile(GrammarSpec("json_schema", json.dumps(schema)))
     assert matchers.compiler.num_compiled == before + 1
+
+
+NESTED = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
+    "home": {"type": "object", "properties": {"city": {"type": "string", "minLength": 2}, "geo": {"type": "number"}},
+             "required": ["city", "geo"]}, "pet": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+    "required": ["name", "age", "tags", "home", "pet"]}
+
+
+@pytest.mark.parametrize("prefix", ['', '{"name": "Jo', '{"name": "Jo", "age": 12', '{"name": "Jo", "age": 1, "tags": [',
+                                    '{"name": "Jo", "age": 1, "tags": ["a", "b', '{"name": "", "age": 1, "tags": [], '
+                                    '"home": {"city": "x'])
+def test_closing_text_completes_a_json_document(matchers, smollm_llm, prefix):
+    matcher = xgr.GrammarMatcher(matchers.compiler.compile(GrammarSpec("json_schema", json.dumps(NESTED))))
+    assert matcher.accept_string(prefix)
+    text = closing_text(matcher, prefix, matchers._decode_one, matchers.width, matchers.stop_token_ids)
+    jsonschema.validate(json.loads(prefix + text), NESTED)
+    assert matcher.accept_string(text) and matcher.is_completed()  # closing_text left the matcher as it was
+
+
+@pytest.mark.parametrize("spec, prefix, pattern", [
+    (GrammarSpec("regex", r"[A-Z][a-z]{2,8}!"), "Q", r"[A-Z][a-z]{2,8}!"),
+    (GrammarSpec("choice", json.dumps(["Paris", "London"])), "Lo", r"London"),
+])
+def test_closing_text_completes_other_grammars(matchers, spec, prefix, pattern):
+    matcher = xgr.GrammarMatcher(matchers.compiler.compile(spec))
+    assert matcher.accept_string(prefix)
+    text = closing_text(matcher, prefix, matchers._decode_one, matchers.width, matchers.stop_token_ids)
+    assert re.fullmatch(pattern, prefix + text)

@@ -27,7 +27,7 @@ from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.speculative.ngram import NgramProposer
 from tokenmill.structured.grammar import GrammarCompiler
-from tokenmill.structured.matchers import GrammarMatchers
+from tokenmill.structured.matchers import ZONE, GrammarMatchers
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,9 @@ class EngineCore:
         self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                        config.prompt_lookup_max) if config.speculative_method == "ngram" else None)
         vocab_size = self.model_config.vocab_size
-        self.grammars = GrammarMatchers(GrammarCompiler(self.tokenizer.hf, vocab_size,
-                                                        list(self.model_config.eos_token_ids)),
-                                        vocab_size)
+        eos = list(self.model_config.eos_token_ids)
+        self.grammars = GrammarMatchers(GrammarCompiler(self.tokenizer.hf, vocab_size, eos), vocab_size,
+                                        self.tokenizer, eos)
         self.num_aborted_total = 0
         self.num_decode_steps_total, self.decode_step_seconds_total = 0, 0.0
         self._rss, self._rss_time = 0, float("-inf")  # read at most once a second, not every step
@@ -141,18 +141,23 @@ class EngineCore:
             if request.num_tokens - request.num_computed_tokens == 1:
                 drafts = self.proposer.propose(request.all_token_ids)
                 if drafts and request.request_id in self.grammars:
-                    drafts = self.grammars.valid_drafts(request.request_id, drafts)
+                    near_end = request.max_tokens - request.num_output_tokens <= ZONE  # steering, not drafting
+                    drafts = [] if near_end else self.grammars.valid_drafts(request.request_id, drafts)
                 request.spec_token_ids = drafts
 
     # --- structured outputs
     def _grammar_bitmasks(self, out: SchedulerOutput) -> None:
-        """The allowed tokens of each constrained request that samples this step, at each position it samples."""
+        """The allowed tokens of each constrained request that samples this step, at each position it samples; near
+        its max_tokens, the one token that steers it to a complete output in time (GrammarMatchers.steer)."""
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             if request_id not in self.grammars:
                 continue
             request, drafts = self.scheduler.requests[request_id], out.spec_token_ids.get(request_id, [])
             if request.num_computed_tokens + num_tokens == request.num_tokens + len(drafts):
-                out.grammar_bitmasks[request_id] = self.grammars.bitmask(request_id, drafts)
+                steered = None if drafts else self.grammars.steer(
+                    request_id, request.max_tokens - request.num_output_tokens, request.output_token_ids)
+                out.grammar_bitmasks[request_id] = steered if steered is not None else \
+                    self.grammars.bitmask(request_id, drafts)
 
     def _advance_grammars(self, scheduled: list[Request], before: list[int]) -> None:
         """Feed each constrained request's kept tokens to its matcher; a complete output finishes the request (also

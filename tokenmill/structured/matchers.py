@@ -4,26 +4,46 @@ known tokens, and after each of its drafts), and it cuts drafts to the prefix th
 
 Bitmask layout (xgrammar's): int32 [positions, ceil(vocab / 32)]; bit ``t % 32`` of word ``t // 32`` set = token t
 allowed.
+
+Steering near max_tokens: within ``ZONE`` tokens of a request's max_tokens the matchers look for the way out
+(structured/closing.py). Once the closing text needs all the tokens left but ``MARGIN`` (the most one free token
+is expected to add to it), its tokens are forced one by one: the output ends complete (the grammar then allows only
+its stop token, or more text that keeps it complete) instead of being cut mid-document. An output that is complete
+already is left free (a plain-text answer beside optional tool calls is never cut short). The closing is recomputed
+every ``RECHECK`` tokens, and every token once the end is near. When even the shortest closing does not fit, the
+output is cut at max_tokens as before: finish_reason "length", a valid prefix.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import numpy as np
 import xgrammar as xgr
 
+from tokenmill.structured.closing import closing_text
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.structured.spec import GrammarSpec
 
 log = logging.getLogger(__name__)
 
+ZONE, MARGIN, RECHECK = 64, 8, 4
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
 
 class GrammarMatchers:
-    def __init__(self, compiler: GrammarCompiler, vocab_size: int):
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int, tokenizer: Tokenizer, stop_token_ids: list[int]):
         self.compiler = compiler
         self.width = -(-vocab_size // 32)
+        self.tokenizer = tokenizer
+        self.stop_token_ids = set(stop_token_ids)
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
+        self._closing: dict[str, tuple[int, int]] = {}  # request id -> (tokens left when computed, closing length)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -35,6 +55,34 @@ class GrammarMatchers:
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._closing.pop(request_id, None)
+
+    def steer(self, request_id: str, tokens_left: int, output_token_ids: list[int]) -> np.ndarray | None:
+        """[1, width]: the one token the request must take now to end complete within ``tokens_left`` tokens (the
+        closing text's next token), or None to leave it free."""
+        if tokens_left > ZONE:
+            return None
+        last = self._closing.get(request_id)
+        if last is not None and last[0] - tokens_left < RECHECK and tokens_left > last[1] + 2 * MARGIN:
+            return None  # far enough from the end, and checked lately
+        matcher = self._matchers[request_id]
+        text = closing_text(matcher, self.tokenizer.decode(output_token_ids), self._decode_one, self.width,
+                            self.stop_token_ids)
+        if not text:  # complete already, or no way out found
+            return None
+        closing = self.tokenizer.encode(text, add_special_tokens=False)
+        self._closing[request_id] = (tokens_left, len(closing))
+        if len(closing) + MARGIN < tokens_left:
+            return None
+        token = closing[0]
+        if not matcher.fork().accept_token(token):
+            return None
+        mask = np.zeros((1, self.width), dtype=np.uint32)
+        mask[0, token // 32] = 1 << (token % 32)
+        return mask.view(np.int32)
+
+    def _decode_one(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=True)
 
     def bitmask(self, request_id: str, drafts: list[int]) -> np.ndarray:
         """[1 + len(drafts), width] int32: the allowed tokens after the request's known tokens and after each
