@@ -52,3 +52,51 @@ def test_matches_the_engine_allocation(smollm_llm):
     assert cache.nbytes == (cache.num_blocks + 1) * spec.block_size * spec.bytes_per_token
     fp8 = KVCache(kv_spec(PRESETS["smollm2-135m"], "fp8"), num_blocks=3, device="cpu")
     assert fp8.nbytes == 4 * 16 * kv_spec(PRESETS["smollm2-135m"], "fp8").bytes_per_token
+
+
+def _shard_numel(name: str, numel: int, tp: int, kv_heads: int) -> float:
+    """One rank's share of a named parameter of a transformers model, by the usual tensor/expert-parallel split:
+    read off the module names, not from the planner's formulas."""
+    leaf = name.split(".")[-2] if name.endswith((".weight", ".bias")) else name.split(".")[-1]
+    if ".experts." in name or leaf in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_b_proj",
+                                       "kv_b_proj", "embed_tokens", "lm_head", "gate_up_proj"):
+        return numel / tp
+    if leaf in ("k_proj", "v_proj"):
+        return numel * max(1, kv_heads // tp) / kv_heads
+    return numel  # norms, the router, MLA's q_a / kv_a: replicated
+
+
+@pytest.mark.parametrize("name, tps", [("llama-3-8b", [1, 2, 8, 16]), ("smollm2-135m", [3]),
+                                       ("deepseek-v2-lite", [2, 4]), ("deepseek-v3", [8])])
+def test_per_rank_parameters_match_the_split_of_the_real_modules(name, tps):
+    import transformers
+
+    from tokenmill.bench.plan import rank_parameters
+
+    c = dict(PRESETS[name])
+    arch = c.pop("architectures")[0]
+    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
+                  "DeepseekV3ForCausalLM": transformers.DeepseekV3Config}[arch]
+    c["num_hidden_layers"] = min(c["num_hidden_layers"], 4)
+    with torch.device("meta"):
+        model = getattr(transformers, arch)(config_cls(**c))
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    for tp in tps:
+        shares = sum(_shard_numel(n, p.numel(), tp, kv_heads) for n, p in model.named_parameters())
+        # The planner pads the vocabulary to a multiple of tp (vocab-parallel shards): < 2 rows of hidden_size apart.
+        assert rank_parameters({**c, "architectures": [arch]}, tp) == pytest.approx(shares, abs=2 * c["hidden_size"])
+
+
+def test_per_rank_kv_cache():
+    from tokenmill.bench.plan import rank_kv_spec
+
+    llama = PRESETS["llama-3-8b"]  # 8 KV heads
+    assert rank_kv_spec(llama, "bf16", 2).bytes_per_token == kv_spec(llama, "bf16").bytes_per_token // 2
+    assert rank_kv_spec(llama, "bf16", 16).bytes_per_token == kv_spec(llama, "bf16").bytes_per_token // 8  # 1 head
+    v3 = PRESETS["deepseek-v3"]  # the latent is replicated: every rank stores all of it
+    assert rank_kv_spec(v3, "fp8", 8).bytes_per_token == kv_spec(v3, "fp8").bytes_per_token
+    plan = Plan("deepseek-v3", v3, context=4096, memory=141 * 10**9, utilization=0.9, tensor_parallel_size=8)
+    free = int(141 * 10**9 * 0.9) - plan.weight_bytes("fp8")
+    assert plan.sequences_that_fit("fp8", "fp8") == free // (kv_spec(v3, "fp8").bytes_per_token * 4096)
+    with pytest.raises(ValueError, match="attention heads"):
+        Plan("deepseek-v3", v3, 4096, 141 * 10**9, 0.9, tensor_parallel_size=3).weight_bytes("fp8")

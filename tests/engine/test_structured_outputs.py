@@ -106,3 +106,26 @@ def test_a_bad_grammar_is_refused_and_nothing_is_queued(smollm_llm, ask_ids):
     with pytest.raises(ValueError, match="parenthesis"):
         smollm_llm.generate([ask_ids], SamplingParams(max_tokens=4, grammar=GrammarSpec("regex", "(")))
     assert not smollm_llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("fmt_name", ["hermes", "llama3_json"])
+def test_forced_parallel_tool_calls_near_max_tokens_keep_every_call_whole(smollm_llm, fmt_name):
+    """SmolLM2 repeats calls when it may make several; near max_tokens it stops between calls rather than start one
+    it cannot finish, so every call it returns has arguments that validate."""
+    from tokenmill.tools.formats import FORMATS, structural_tag
+    from tokenmill.tools.parser import parse_tool_calls
+    from tokenmill.tools.prompt import render_messages
+
+    fmt = FORMATS[fmt_name]
+    params = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"]}
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": params}}]
+    ids = smollm_llm.tokenizer.apply_chat_template(render_messages(
+        [{"role": "user", "content": "What time is it in Paris, Rome and Tokyo?"}], tools, fmt, native=False))
+    spec = GrammarSpec("structural_tag", structural_tag(fmt, tools, "required", parallel=True))
+    outs = smollm_llm.generate([ids] * 3, [SamplingParams(temperature=1.0, seed=s, max_tokens=60, grammar=spec)
+                                           for s in range(3)])
+    for out in outs:
+        content, calls = parse_tool_calls(fmt, out.outputs[0].text)
+        assert calls and content == ""
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), params)

@@ -83,9 +83,9 @@ NESTED = {"type": "object", "properties": {
     "required": ["name", "age", "tags", "home", "pet"]}
 
 
-@pytest.mark.parametrize("prefix", ['', '{"name": "Jo', '{"name": "Jo", "age": 12', '{"name": "Jo", "age": 1, "tags": [',
-                                    '{"name": "Jo", "age": 1, "tags": ["a", "b', '{"name": "", "age": 1, "tags": [], '
-                                    '"home": {"city": "x'])
+@pytest.mark.parametrize("prefix", ['', '{"name": "Jo', '{"name": "Jo", "age": 12',
+                                    '{"name": "Jo", "age": 1, "tags": [', '{"name": "Jo", "age": 1, "tags": ["a", "b',
+                                    '{"name": "", "age": 1, "tags": [], "home": {"city": "x'])
 def test_closing_text_completes_a_json_document(matchers, smollm_llm, prefix):
     matcher = xgr.GrammarMatcher(matchers.compiler.compile(GrammarSpec("json_schema", json.dumps(NESTED))))
     assert matcher.accept_string(prefix)

@@ -87,3 +87,28 @@ def test_the_forcing_grammar_accepts_what_the_format_writes_and_the_parser_reads
     assert [(c.name, json.loads(c.arguments)) for c in parse_tool_calls(fmt, text)[1]] == [("f0", {"city": "Paris"})]
     assert not xgr.GrammarMatcher(compiler.compile(GrammarSpec(
         "structural_tag", structural_tag(fmt, tools, "required", True)))).accept_string("Sure! " + text)
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json"])
+def test_required_means_calls_only(name, smollm_llm):
+    """xgrammar's tags for tool_choice required let text run around the calls; ours allow calls alone, one after
+    another (one only without parallel_tool_calls)."""
+    import xgrammar as xgr
+
+    from tokenmill.structured.spec import GrammarSpec
+    from tokenmill.tools.formats import structural_tag
+
+    fmt = CASES[name][0]
+    tools = [{"type": "function", "function": {"name": "f0", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    call = fmt.render_call("f0", json.dumps({"city": "Paris"}))
+    compiler = smollm_llm.engine.grammars.compiler
+
+    def accepts(text: str, parallel: bool) -> bool:
+        spec = GrammarSpec("structural_tag", structural_tag(fmt, tools, "required", parallel))
+        matcher = xgr.GrammarMatcher(compiler.compile(spec))
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    assert accepts(call, True) and accepts(call + "\n" + call, True)
+    assert not accepts(call + "\n" + call, False)
+    assert not accepts(call + " And that is all.", True)

@@ -4,6 +4,13 @@ From an HF config.json (or a preset): weight bytes per weight dtype, KV bytes pe
 attention kind (MHA / GQA: K and V per KV head; MLA: only the latent plus the roped key) in each KV dtype,
 the KV cache of one sequence at ``--context``, and how many such sequences fit in ``--memory`` after the
 weights at ``--gpu-memory-utilization``. KV sizes come from the engine's own ``KVCacheSpec``.
+
+With ``--tensor-parallel-size N`` every figure is per GPU, for the usual split (Megatron / vLLM): attention heads,
+MLP and the shared experts' columns and rows, and the vocabulary of the embedding and LM head divided by N; routed
+experts divided by N (expert parallel); norms, the router and MLA's down-projections (q_a, kv_a) replicated. KV heads
+are split too, and replicated when fewer than N (each rank keeps one). MLA's latent cache is replicated: every head
+reads the whole latent, so each rank stores all of it for its heads. A sequence occupies every rank, so "sequences
+that fit" on one GPU is what the group fits.
 """
 
 from __future__ import annotations
@@ -91,33 +98,90 @@ def num_parameters(c: dict[str, Any] | ModelConfig) -> int:
     return total
 
 
+def _split(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {tp}")
+    return n // tp
+
+
+def local_kv_heads(m: ModelConfig, tp: int) -> int:
+    """KV heads one rank holds: split when there are at least tp, else one (replicated tp / kv_heads times)."""
+    if m.num_kv_heads >= tp:
+        return _split(m.num_kv_heads, tp, "KV heads")
+    if tp % m.num_kv_heads:
+        raise ValueError(f"the tensor-parallel size {tp} is not a multiple of the KV heads ({m.num_kv_heads})")
+    return 1
+
+
+def _rank_attention_parameters(m: ModelConfig, tp: int) -> int:
+    h, local_heads = m.hidden_size, _split(m.num_heads, tp, "attention heads")
+    if not m.mla:
+        return h * m.head_dim * (2 * local_heads + 2 * local_kv_heads(m, tp))
+    a, q_lora = m.mla, m.mla.q_lora_rank
+    replicated = (h * q_lora + q_lora if q_lora else 0) + h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+    split = (q_lora or h) * local_heads * m.head_dim  # q_b (or q_proj)
+    split += a.kv_lora_rank * local_heads * (a.qk_nope_head_dim + a.v_head_dim)  # kv_b
+    return replicated + split + local_heads * a.v_head_dim * h  # o_proj
+
+
+def rank_parameters(c: dict[str, Any] | ModelConfig, tp: int) -> int:
+    """Parameters one of ``tp`` tensor-parallel ranks holds (the split of the module docstring; tp=1: all)."""
+    m = model_config(c)
+    h = m.hidden_size
+    vocab = -(-m.vocab_size // tp)  # vocab-parallel shards, the last one padded
+    total = vocab * h * (1 if m.tie_word_embeddings else 2) + h
+    for layer in range(m.num_layers):
+        if m.moe and m.moe.is_moe_layer(layer):
+            experts = _split(m.moe.num_experts, tp, "routed experts") + m.moe.num_shared_experts / tp
+            mlp = int(experts * 3 * h * m.moe.intermediate_size) + m.moe.num_experts * h
+        else:
+            mlp = 3 * h * _split(m.intermediate_size, tp, "the MLP width")
+        total += _rank_attention_parameters(m, tp) + mlp + 2 * h
+    return total
+
+
+def rank_kv_spec(c: dict[str, Any] | ModelConfig, dtype: str, tp: int, block_size: int = 16) -> KVCacheSpec:
+    """One rank's KV cache layout: its KV heads (GQA/MHA), or the whole latent (MLA, replicated)."""
+    m = model_config(c)
+    if m.mla:
+        return m.kv_cache_spec(dtype, block_size)
+    return KVCacheSpec.for_gqa(m.num_layers, local_kv_heads(m, tp), m.head_dim, dtype, block_size)
+
+
 @dataclass
 class Plan:
     name: str
     config: dict[str, Any]
     context: int
-    memory: int
+    memory: int  # of one GPU
     utilization: float
+    tensor_parallel_size: int = 1
 
     def weight_bytes(self, dtype: str) -> int:
-        return num_parameters(self.config) * WEIGHT_BYTES[dtype]
+        """Of one GPU."""
+        return rank_parameters(self.config, self.tensor_parallel_size) * WEIGHT_BYTES[dtype]
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """Of one GPU."""
+        return rank_kv_spec(self.config, dtype, self.tensor_parallel_size).bytes_per_token
 
     def sequences_that_fit(self, weight_dtype: str, kv_dtype: str) -> int:
         free = int(self.memory * self.utilization) - self.weight_bytes(weight_dtype)
-        per_sequence = kv_spec(self.config, kv_dtype).bytes_per_token * self.context
+        per_sequence = self.kv_bytes_per_token(kv_dtype) * self.context
         return max(0, free // per_sequence)
 
     def report(self, weight_dtype: str) -> str:
-        c = self.config
+        c, tp = self.config, self.tensor_parallel_size
+        per = "" if tp == 1 else " per GPU"
         lines = [f"# {self.name}: {attention_kind(c)} attention, {c['num_hidden_layers']} layers, "
-                 f"{num_parameters(c) / 1e9:.2f} B parameters", "",
-                 "| weights | bytes |", "|---|---|"]
+                 f"{num_parameters(c) / 1e9:.2f} B parameters" + (f", tensor parallel on {tp} GPUs" if tp > 1 else ""),
+                 "", f"| weights{per} | bytes |", "|---|---|"]
         lines += [f"| {d} | {self.weight_bytes(d) / GiB:.2f} GiB |" for d in ("bf16", "fp8")]
         lines += ["", f"KV cache at {self.context} tokens per sequence; {self.memory / GiB:.0f} GiB x "
-                      f"{self.utilization} minus {weight_dtype} weights:", "",
-                  "| KV dtype | bytes/token | per sequence | sequences that fit |", "|---|---|---|---|"]
+                      f"{self.utilization} minus {weight_dtype} weights{per}:", "",
+                  f"| KV dtype | bytes/token{per} | per sequence{per} | sequences that fit |", "|---|---|---|---|"]
         for kv in ("bf16", "fp8"):
-            per_token = kv_spec(c, kv).bytes_per_token
+            per_token = self.kv_bytes_per_token(kv)
             lines.append(f"| {kv} | {per_token:,} | {per_token * self.context / GiB:.3f} GiB | "
                          f"{self.sequences_that_fit(weight_dtype, kv):,} |")
         ratio = mha_equivalent_bytes_per_token(c, "bf16") / kv_spec(c, "bf16").bytes_per_token
@@ -130,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help=f"a config.json path or a preset: {', '.join(PRESETS)}")
     parser.add_argument("--context", type=int, default=4096, help="tokens per sequence")
-    parser.add_argument("--memory", default="80GiB", help="accelerator memory")
+    parser.add_argument("--memory", default="80GiB", help="memory of one accelerator")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split across")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--weight-dtype", choices=sorted(WEIGHT_BYTES), default="bf16")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -140,12 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with open(args.model) as fh:
             config = json.load(fh)
-    plan = Plan(args.model, config, args.context, parse_byte_size(args.memory), args.gpu_memory_utilization)
+    plan = Plan(args.model, config, args.context, parse_byte_size(args.memory), args.gpu_memory_utilization,
+                args.tensor_parallel_size)
+    try:
+        plan.weight_bytes("bf16")
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.json:
         print(json.dumps({
             "attention": attention_kind(config), "parameters": num_parameters(config),
+            "tensor_parallel_size": args.tensor_parallel_size,
             "weight_bytes": {d: plan.weight_bytes(d) for d in WEIGHT_BYTES},
-            "kv_bytes_per_token": {d: kv_spec(config, d).bytes_per_token for d in ELEMENT_BYTES},
+            "kv_bytes_per_token": {d: plan.kv_bytes_per_token(d) for d in ELEMENT_BYTES},
             "mha_equivalent_bytes_per_token": {d: mha_equivalent_bytes_per_token(config, d) for d in ELEMENT_BYTES},
             "sequences_that_fit": {d: plan.sequences_that_fit(args.weight_dtype, d) for d in ELEMENT_BYTES}}))
     else:

@@ -44,6 +44,19 @@ def closing_text(matcher: xgr.GrammarMatcher, accepted_text: str, decode_token, 
     return None
 
 
+def continuation_text(matcher: xgr.GrammarMatcher, accepted_text: str, decode_token, width: int,
+                      stop_token_ids: set[int]) -> str | None:
+    """For a complete output: the shortest text that continues it (one token that is not a stop token, then the
+    closing text from there), i.e. what one more list item or tool call would cost at least; None when nothing but a
+    stop token may follow."""
+    step = _first_allowed_token(matcher, decode_token, width, stop_token_ids)
+    if step is None:
+        return None
+    m, first = step
+    rest = closing_text(m, accepted_text + first, decode_token, width, stop_token_ids)
+    return None if rest is None else first + rest
+
+
 def _ends_in_string(text: str, in_string: bool) -> bool:
     escaped = False
     for ch in text:

@@ -9,9 +9,12 @@ Steering near max_tokens: within ``ZONE`` tokens of a request's max_tokens the m
 (structured/closing.py). Once the closing text needs all the tokens left but ``MARGIN`` (the most one free token
 is expected to add to it), its tokens are forced one by one: the output ends complete (the grammar then allows only
 its stop token, or more text that keeps it complete) instead of being cut mid-document. An output that is complete
-already is left free (a plain-text answer beside optional tool calls is never cut short). The closing is recomputed
-every ``RECHECK`` tokens, and every token once the end is near. When even the shortest closing does not fit, the
-output is cut at max_tokens as before: finish_reason "length", a valid prefix.
+already is left free, unless only structure may follow (fewer than half the vocabulary allowed: another tool call,
+another list item) and the shortest such continuation would not fit with ``MARGIN`` to spare: then it stops there
+rather than start what it cannot finish. Free text (a plain answer beside optional tool calls) is never cut short.
+The closing is recomputed every ``RECHECK`` tokens, and every token once the end or the output's completion is near.
+When even the shortest closing does not fit, the output is cut at max_tokens as before: finish_reason "length", a
+valid prefix.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Protocol
 import numpy as np
 import xgrammar as xgr
 
-from tokenmill.structured.closing import closing_text
+from tokenmill.structured.closing import closing_text, continuation_text
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.structured.spec import GrammarSpec
 
@@ -59,24 +62,45 @@ class GrammarMatchers:
 
     def steer(self, request_id: str, tokens_left: int, output_token_ids: list[int]) -> np.ndarray | None:
         """[1, width]: the one token the request must take now to end complete within ``tokens_left`` tokens (the
-        closing text's next token), or None to leave it free."""
+        closing text's next token, or a stop token), or None to leave it free."""
         if tokens_left > ZONE:
             return None
         last = self._closing.get(request_id)
-        if last is not None and last[0] - tokens_left < RECHECK and tokens_left > last[1] + 2 * MARGIN:
-            return None  # far enough from the end, and checked lately
+        if last is not None and last[0] - tokens_left < RECHECK and last[1] > MARGIN \
+                and tokens_left > last[1] + 2 * MARGIN:
+            return None  # checked lately, far from complete and far from the end
         matcher = self._matchers[request_id]
         text = closing_text(matcher, self.tokenizer.decode(output_token_ids), self._decode_one, self.width,
                             self.stop_token_ids)
-        if not text:  # complete already, or no way out found
+        if text is None:
             return None
+        if not text:  # complete already
+            return self._stop_mask(matcher, output_token_ids, tokens_left)
         closing = self.tokenizer.encode(text, add_special_tokens=False)
         self._closing[request_id] = (tokens_left, len(closing))
         if len(closing) + MARGIN < tokens_left:
             return None
-        token = closing[0]
-        if not matcher.fork().accept_token(token):
+        if not matcher.fork().accept_token(closing[0]):
             return None
+        return self._only(closing[0])
+
+    def _stop_mask(self, matcher: xgr.GrammarMatcher, output_token_ids: list[int], tokens_left: int
+                   ) -> np.ndarray | None:
+        """Only a stop token, for a complete output that allows no free text (fewer than half the vocabulary) and
+        whose shortest continuation would not fit in ``tokens_left`` with MARGIN to spare."""
+        allowed = np.zeros((1, self.width), dtype=np.int32)
+        matcher.fill_next_token_bitmask(allowed)
+        bits = np.unpackbits(allowed.view(np.uint8), bitorder="little")
+        stops = [t for t in sorted(self.stop_token_ids) if t < len(bits) and bits[t]]
+        if not stops or bits.sum() * 2 > self.width * 32:
+            return None
+        more = continuation_text(matcher, self.tokenizer.decode(output_token_ids), self._decode_one, self.width,
+                                 self.stop_token_ids)
+        if more and len(self.tokenizer.encode(more, add_special_tokens=False)) + MARGIN < tokens_left:
+            return None
+        return self._only(stops[0])
+
+    def _only(self, token: int) -> np.ndarray:
         mask = np.zeros((1, self.width), dtype=np.uint32)
         mask[0, token // 32] = 1 << (token % 32)
         return mask.view(np.int32)

@@ -2,7 +2,8 @@
 (tool_choice required / named, and the calls of auto), a trigger that starts a call, a header pattern that ends just
 before the call's JSON arguments, and how one call is written (for templates that cannot render past calls).
 
-- hermes (Qwen2.5, Hermes, SmolLM-style ChatML templates): ``<tool_call>\\n{"name": N, "arguments": {..}}\\n</tool_call>``
+- hermes (Qwen2.5, Hermes, SmolLM-style ChatML templates):
+  ``<tool_call>\\n{"name": N, "arguments": {..}}\\n</tool_call>``
 - llama3_json (Llama 3.1/3.2): ``{"name": N, "parameters": {..}}``, optionally after ``<|python_tag|>``, calls
   separated by ``;``
 - deepseek_v3 (DeepSeek-V3/R1): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\n{..}\\n```
@@ -61,12 +62,20 @@ def detect_format(chat_template: str | None, configured: str = "auto") -> ToolFo
 
 def structural_tag(fmt: ToolFormat, tools: list[dict], tool_choice: str | dict, parallel: bool) -> str:
     """xgrammar's structural tag (JSON) constraining the output to ``fmt``'s calls of ``tools``: for auto, free
-    text in which any started call is well formed; for required, at least one call; for a named tool, that call."""
+    text in which any started call is well formed; for required, calls only (at least one; one with ``parallel``
+    false); for a named tool, that call only."""
     import xgrammar as xgr
 
-    tag = xgr.get_model_structural_tag(fmt.structural_tag_model, tools=tools, tool_choice=tool_choice,
-                                       reasoning="disabled", parallel_tool_calls=parallel)
-    return tag.model_dump_json()
+    tag = json.loads(xgr.get_model_structural_tag(fmt.structural_tag_model, tools=tools, tool_choice=tool_choice,
+                                                  reasoning="disabled", parallel_tool_calls=parallel)
+                     .model_dump_json())
+    body = tag["format"]
+    if tool_choice == "required" and body["type"] == "triggered_tags":
+        # xgrammar lets text run before, between and after the calls of ``required``; OpenAI's required answers
+        # with calls alone, so the calls follow one another, separated by a newline.
+        tag["format"] = {"type": "tags_with_separator", "tags": body["tags"], "separator": "\n",
+                         "at_least_one": True, "stop_after_first": not parallel}
+    return json.dumps(tag)
 
 
 def arguments_json(arguments: str) -> dict:
