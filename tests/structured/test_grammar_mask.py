@@ -23,7 +23,7 @@ from tokenmill.structured.spec import GrammarSpec
     (GrammarSpec("regex", "(a"), "parenthesis"),
     (GrammarSpec("grammar", 'root ::= "a" |'), "Expect element"),
     (GrammarSpec("choice", "[]"), "non-empty"),
-    (GrammarSpec("structural_tag", '{"type": "nope"}'), ""),
+    (GrammarSpec("structural_tag", '{"type": "nope"}'), "structural_tag"),
 ])
 def test_bad_specs_raise_grammar_error(spec, words):
     with pytest.raises(GrammarError, match=words):

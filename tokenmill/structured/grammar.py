@@ -15,6 +15,7 @@ from tokenmill.structured.spec import GrammarSpec
 # strictly: an object takes only the properties its schema lists unless the schema itself allows more (OpenAI's
 # strict mode asks for additionalProperties false anyway), so the output always validates against the schema.
 _JSON_OPTIONS = dict(any_whitespace=False, strict_mode=True)
+_ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
 
 
 class GrammarError(ValueError):
@@ -36,8 +37,8 @@ def _choice_ebnf(value: str) -> str:
 def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
     """The grammar a spec describes; GrammarError when it describes none."""
     try:
-        if spec.kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if spec.kind == "json_object":  # OpenAI's JSON mode: an object (xgrammar's builtin JSON takes any value)
+            return xgr.Grammar.from_json_schema(_ANY_OBJECT, **_JSON_OPTIONS)
         if spec.kind == "json_schema":
             return xgr.Grammar.from_json_schema(spec.value, **_JSON_OPTIONS)
         if spec.kind == "regex":
