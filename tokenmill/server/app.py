@@ -176,12 +176,18 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
             raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", param="model",
                            code="model_not_found")
 
+    def ready_for(authorization: str | None, model: str | None) -> tuple[str | None, ServerContext]:
+        """Auth, readiness and the model check every model endpoint makes: (the key's name, the context)."""
+        name = key_name(authorization)
+        ctx = state.ready_context()
+        if model is not None:
+            check_model(ctx, model)
+        return name, ctx
+
     async def _generate(body, request: Request, authorization: str | None, prepare, stream, respond):
         """Shared by both generation endpoints: auth, readiness, model check, validation + admission, answer."""
         arrival = time.monotonic()
-        name = key_name(authorization)
-        ctx = state.ready_context()
-        check_model(ctx, body.model)
+        name, ctx = ready_for(authorization, body.model)
         check_limits(body, ctx.limits)
         tracker = await prepare(ctx, body, name, arrival)
         return await _respond(ctx, request, tracker, stream(ctx, body, tracker) if body.stream else None,
@@ -199,22 +205,16 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
         return await _generate(body, request, authorization, prepare_completion, completion_stream,
                                completion_response)
 
-    def ready_for(authorization: str | None, model: str | None) -> ServerContext:
-        key_name(authorization)
-        ctx = state.ready_context()
-        if model is not None:
-            check_model(ctx, model)
-        return ctx
 
     @app.post("/tokenize", response_model=None,
               responses={200: {"model": TokenizeResponse}, **error_responses(400, 401, 404, 503)})
     async def tokenize_route(body: TokenizeRequest, authorization: str | None = Header(None)) -> dict:
-        return await tokenize(ready_for(authorization, body.model), body)
+        return await tokenize(ready_for(authorization, body.model)[1], body)
 
     @app.post("/detokenize", response_model=None,
               responses={200: {"model": DetokenizeResponse}, **error_responses(400, 401, 404, 503)})
     async def detokenize_route(body: DetokenizeRequest, authorization: str | None = Header(None)) -> dict:
-        return await detokenize(ready_for(authorization, body.model), body)
+        return await detokenize(ready_for(authorization, body.model)[1], body)
 
     async def _respond(ctx, request, tracker, stream, make_body):
         """Admission reserved the requests' tokens; every path out of here releases what they did not."""

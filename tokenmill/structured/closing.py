@@ -77,11 +77,15 @@ def _first_accepted(m: xgr.GrammarMatcher, candidates) -> tuple[xgr.GrammarMatch
     return None
 
 
-def _first_allowed_token(m: xgr.GrammarMatcher, decode_token, width: int, stop_token_ids: set[int]):
+def allowed_tokens(m: xgr.GrammarMatcher, width: int) -> np.ndarray:
+    """[width * 32] 0/1: the tokens the grammar allows next (token t at index t)."""
     mask = np.zeros((1, width), dtype=np.int32)
     m.fill_next_token_bitmask(mask)
-    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
-    for token in np.flatnonzero(bits).tolist():
+    return np.unpackbits(mask.view(np.uint8), bitorder="little")
+
+
+def _first_allowed_token(m: xgr.GrammarMatcher, decode_token, width: int, stop_token_ids: set[int]):
+    for token in np.flatnonzero(allowed_tokens(m, width)).tolist():
         if token in stop_token_ids:
             continue
         text = decode_token(token)

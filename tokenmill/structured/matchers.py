@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 import xgrammar as xgr
 
-from tokenmill.structured.closing import closing_text, continuation_text
+from tokenmill.structured.closing import allowed_tokens, closing_text, continuation_text
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.structured.spec import GrammarSpec
 
@@ -69,13 +69,12 @@ class GrammarMatchers:
         if last is not None and last[0] - tokens_left < RECHECK and last[1] > MARGIN \
                 and tokens_left > last[1] + 2 * MARGIN:
             return None  # checked lately, far from complete and far from the end
-        matcher = self._matchers[request_id]
-        text = closing_text(matcher, self.tokenizer.decode(output_token_ids), self._decode_one, self.width,
-                            self.stop_token_ids)
+        matcher, accepted = self._matchers[request_id], self.tokenizer.decode(output_token_ids)
+        text = closing_text(matcher, accepted, self._decode_one, self.width, self.stop_token_ids)
         if text is None:
             return None
         if not text:  # complete already
-            return self._stop_mask(matcher, output_token_ids, tokens_left)
+            return self._stop_mask(matcher, accepted, tokens_left)
         closing = self.tokenizer.encode(text, add_special_tokens=False)
         self._closing[request_id] = (tokens_left, len(closing))
         if len(closing) + MARGIN < tokens_left:
@@ -84,18 +83,14 @@ class GrammarMatchers:
             return None
         return self._only(closing[0])
 
-    def _stop_mask(self, matcher: xgr.GrammarMatcher, output_token_ids: list[int], tokens_left: int
-                   ) -> np.ndarray | None:
-        """Only a stop token, for a complete output that allows no free text (fewer than half the vocabulary) and
-        whose shortest continuation would not fit in ``tokens_left`` with MARGIN to spare."""
-        allowed = np.zeros((1, self.width), dtype=np.int32)
-        matcher.fill_next_token_bitmask(allowed)
-        bits = np.unpackbits(allowed.view(np.uint8), bitorder="little")
+    def _stop_mask(self, matcher: xgr.GrammarMatcher, accepted: str, tokens_left: int) -> np.ndarray | None:
+        """Only a stop token, for a complete output (``accepted``, its text) that allows no free text (fewer than
+        half the vocabulary) and whose shortest continuation would not fit in ``tokens_left`` with MARGIN to spare."""
+        bits = allowed_tokens(matcher, self.width)
         stops = [t for t in sorted(self.stop_token_ids) if t < len(bits) and bits[t]]
         if not stops or bits.sum() * 2 > self.width * 32:
             return None
-        more = continuation_text(matcher, self.tokenizer.decode(output_token_ids), self._decode_one, self.width,
-                                 self.stop_token_ids)
+        more = continuation_text(matcher, accepted, self._decode_one, self.width, self.stop_token_ids)
         if more and len(self.tokenizer.encode(more, add_special_tokens=False)) + MARGIN < tokens_left:
             return None
         return self._only(stops[0])

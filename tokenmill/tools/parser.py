@@ -69,9 +69,8 @@ class ToolCallParser:
     # --- states: each consumes what it can and returns content ("" for none), or None to wait for more text
     def _content(self, deltas: list[ToolCallDelta]) -> str | None:
         rest = self.text[self.pos:]
-        hits = [i for t in self.fmt.triggers if (i := rest.find(t)) != -1]
-        if hits:
-            start = min(hits)
+        start = self._next_trigger(rest)
+        if start is not None:
             self.pos += start
             self.state = "HEADER"
             return rest[:start]
@@ -131,13 +130,16 @@ class ToolCallParser:
         return ""
 
     def _between(self, deltas: list[ToolCallDelta]) -> str | None:
-        rest = self.text[self.pos:]
-        hits = [i for t in self.fmt.triggers if (i := rest.find(t)) != -1]
-        if not hits:
+        start = self._next_trigger(self.text[self.pos:])
+        if start is None:
             return None
-        self.pos += min(hits)
+        self.pos += start
         self.state = "HEADER"
         return ""
+
+    def _next_trigger(self, text: str) -> int | None:
+        """Where the first call trigger in ``text`` starts."""
+        return min((i for t in self.fmt.triggers if (i := text.find(t)) != -1), default=None)
 
 
 def parse_tool_calls(fmt: ToolFormat, text: str) -> tuple[str, list[ParsedCall]]:
