@@ -64,6 +64,39 @@ def make_deepseek_checkpoint(path, smollm_llm, kind):
     return model.eval()
 
 
+def make_mtp_checkpoint(path, smollm_llm):
+    """A tiny DeepSeek-V3 ("v3-q-lora") with one multi-token-prediction layer stored as released checkpoints store
+    it: a decoder layer (MLA + MoE) under ``model.layers.{L}`` (L = num_hidden_layers) with ``enorm``, ``hnorm``,
+    ``eh_proj``, ``shared_head.norm`` and copies of the embedding and LM head, in a second safetensors file.
+    Returns (transformers' model without the MTP layer, the MTP layer's tensors by their name after the prefix)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    hf = make_deepseek_checkpoint(path, smollm_llm, "v3-q-lora")
+    c, L = hf.config, hf.config.num_hidden_layers
+    torch.manual_seed(1)
+    donor = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**c.to_dict(),
+                                                                              "num_hidden_layers": L + 1}))
+    layer = donor.model.layers[L]
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.08)
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    mtp = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+    h = c.hidden_size
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"{norm}.weight"] = 1 + 0.1 * torch.randn(h)
+    mtp["eh_proj.weight"] = 0.08 * torch.randn(h, 2 * h)
+    mtp["embed_tokens.weight"] = hf.model.embed_tokens.weight.detach().clone()
+    mtp["shared_head.head.weight"] = hf.lm_head.weight.detach().clone()
+    save_file({f"model.layers.{L}.{k}": v.contiguous() for k, v in mtp.items()},
+              str(path / "model-mtp.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return hf, mtp
+
+
 def make_tiny_checkpoint(path, smollm_llm, kind: str):
     """"dense-gqa" (a tiny Llama) or one of CONFIGS (a tiny DeepSeek) at ``path``."""
     if kind == "dense-gqa":

@@ -75,9 +75,10 @@ class EngineConfig(BaseSettings):
     max_num_seqs: int = Field(256, gt=0)
     max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one engine step")
     # --- speculative decoding
-    speculative_method: Literal["off", "ngram"] = Field(
+    speculative_method: Literal["off", "ngram", "mtp"] = Field(
         "off", description="draft tokens to verify in one pass: ngram = prompt lookup (the last n tokens matched "
-                           "earlier in the request's own prompt and output)")
+                           "earlier in the request's own prompt and output); mtp = DeepSeek-V3's multi-token-"
+                           "prediction layer, in the checkpoint (num_nextn_predict_layers)")
     num_speculative_tokens: int = Field(3, gt=0, le=16, description="most draft tokens per request and step")
     prompt_lookup_min: int = Field(2, gt=0, description="shortest n-gram the ngram method matches")
     prompt_lookup_max: int = Field(4, gt=0, description="longest n-gram the ngram method matches (tried first)")

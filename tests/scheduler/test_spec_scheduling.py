@@ -99,3 +99,42 @@ def test_drafts_that_do_not_fit_are_dropped_not_paid_for_with_a_preemption():
     assert out.preempted_ids == [] and out.spec_token_ids == {} and out.num_scheduled_tokens == {"a": 1, "b": 1}
     drain(sched)
     assert a.output_token_ids == expected_output(a) and b.output_token_ids == expected_output(b)
+
+
+def test_lookahead_slots_come_from_free_blocks_and_reach_the_runner():
+    """A drafter inside the model (MTP) writes num_lookahead_tokens slots past a sampling request's scheduled tokens:
+    they are allocated when blocks are free (and sent in the diff: the fake runner checks its block table equals the
+    request's), never when only a preemption would free them."""
+    sched = Scheduler(KVCacheManager(6, block_size=4), max_num_seqs=8, max_num_batched_tokens=64,
+                      num_lookahead_tokens=3)
+    a = make_request("a", 8, 6, seed=1)
+    sched.add_request(a)
+    out, _ = run_step(sched)  # 8 prompt tokens sample: slots to 8 + 3 -> 3 blocks
+    assert out.new_requests[0].block_ids == a.block_ids and len(a.block_ids) == 3
+    b = make_request("b", 11, 6, seed=2)
+    sched.add_request(b)
+    out, _ = run_step(sched)  # a decodes (still 3 blocks); b's 11 tokens take 3 blocks, the pool's last
+    assert (len(a.block_ids), len(b.block_ids), sched.kv.pool.num_free_blocks) == (3, 3, 0)
+    out, _ = run_step(sched)  # b's first decode (position 11) needs no block; a's lookahead (9..12) finds none
+    assert out.preempted_ids == [] and len(a.block_ids) == 3
+    drain(sched)
+    assert a.output_token_ids == expected_output(a) and b.output_token_ids == expected_output(b)
+
+
+def test_random_workload_with_lookahead_and_drafts_keeps_integrity():
+    rng = random.Random(3)
+    sched = Scheduler(KVCacheManager(10, block_size=4), max_num_seqs=6, max_num_batched_tokens=14,
+                      num_lookahead_tokens=2)
+    propose = oracle(3, rng, wrong=0.4)
+    reqs = []
+    for step in range(400):
+        if step < 150 and rng.random() < 0.35:
+            reqs.append(make_request(f"r{step}", rng.randrange(1, 16), rng.randrange(1, 20), seed=step))
+            sched.add_request(reqs[-1])
+        if reqs and rng.random() < 0.03:
+            sched.abort(rng.choice(reqs).request_id)
+        if sched.has_unfinished():
+            run_step(sched, propose=propose)  # checks integrity after every step
+    drain(sched, propose=propose)
+    assert all(r.output_token_ids == expected_output(r) for r in reqs if r.status != RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.pool.num_free_blocks == 10 and sched.num_preemptions_total > 0

@@ -25,6 +25,7 @@ from tokenmill.runtime import keep_freed_memory_in_heap, resident_memory_bytes
 from tokenmill.scheduler.output import SchedulerOutput
 from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.speculative.mtp import MTPDrafter
 from tokenmill.speculative.ngram import NgramProposer
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.structured.matchers import ZONE, GrammarMatchers
@@ -46,13 +47,17 @@ class EngineCore:
         loaded = load_model_and_cache(checkpoint, self.model_config, config)
         if loaded.device.type == "cpu":
             prepare_cpu(loaded.model, loaded.kv_cache, config)
+        method, k = config.speculative_method, config.num_speculative_tokens
+        # Drafts from token ids (n-gram: here, after each step) or from the model itself (MTP: the runner's).
+        self.proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max) \
+            if method == "ngram" else None
+        drafter = MTPDrafter(k) if method == "mtp" else None
         self.runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, config.max_num_seqs,
-                                  loaded.max_model_len, self.model_config.eos_token_ids, config.seed)
+                                  loaded.max_model_len, self.model_config.eos_token_ids, config.seed, drafter)
         kv = KVCacheManager(loaded.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   drafter.num_lookahead_tokens if drafter else 0)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                       config.prompt_lookup_max) if config.speculative_method == "ngram" else None)
         vocab_size = self.model_config.vocab_size
         eos = list(self.model_config.eos_token_ids)
         self.grammars = GrammarMatchers(GrammarCompiler(self.tokenizer.hf, vocab_size, eos), vocab_size,
@@ -127,19 +132,21 @@ class EngineCore:
             logprobs = result.logprobs.get(request.request_id)
             outputs.append(self._report(request, request.output_token_ids[num_before:],
                                         logprobs[:kept] if logprobs else [], now))
-        if self.proposer is not None:
-            self._propose()
+        if self.proposer is not None or self.runner.drafter is not None:
+            self._propose(result.drafts)
         if out.total_num_scheduled_tokens == len(out.num_scheduled_tokens):  # a pure decode step
             self.num_decode_steps_total += 1
             self.decode_step_seconds_total += time.perf_counter() - start
         return StepOutputs(outputs, self.stats())
 
-    def _propose(self) -> None:
-        """Drafts for every running request whose next step is a decode, from its own tokens (the scheduler cuts
-        them to the step's budget and the request's max_tokens; a grammar cuts them to what it accepts)."""
+    def _propose(self, model_drafts: dict[str, list[int]]) -> None:
+        """Drafts for every running request whose next step is a decode: the n-gram proposer's from its own tokens,
+        or the ones the model's drafter made this step (the scheduler cuts them to the step's budget and the
+        request's max_tokens; a grammar cuts them to what it accepts)."""
         for request in self.scheduler.running:
             if request.num_tokens - request.num_computed_tokens == 1:
-                drafts = self.proposer.propose(request.all_token_ids)
+                drafts = self.proposer.propose(request.all_token_ids) if self.proposer is not None \
+                    else model_drafts.get(request.request_id, [])
                 if drafts and request.request_id in self.grammars:
                     near_end = request.max_tokens - request.num_output_tokens <= ZONE  # steering, not drafting
                     drafts = [] if near_end else self.grammars.valid_drafts(request.request_id, drafts)

@@ -34,6 +34,9 @@ class StepInputs:
     position_rows: np.ndarray  # [P]
     position_offsets: np.ndarray  # [P]: 0 = after the known tokens, j = after j drafts
     logits_indices: torch.Tensor  # [P]
+    token_rows: np.ndarray  # [T] each token's row
+    token_positions: np.ndarray  # [T] each token's position (host copy of ``positions``)
+    last_indices: np.ndarray  # per sampling row: the flat index of its last token
 
 
 class InputBatch:
@@ -152,14 +155,31 @@ class InputBatch:
         """The flattened batch of the scheduled chunks, in the scheduler's order."""
         rows = np.fromiter((self.row_of[rid] for rid in num_scheduled), dtype=np.int64, count=len(num_scheduled))
         counts = np.fromiter(num_scheduled.values(), dtype=np.int64, count=len(num_scheduled))
-        starts = self.num_computed[rows]
-        ends = starts + counts
+        attention, token_rows, positions = self.attention(rows, counts, self.num_computed[rows])
         cu = np.cumsum(counts)
+        samples = self.num_computed[rows] + counts == self.num_tokens[rows] + self.num_drafts[rows]
+        sample_rows = rows[samples]
+        num_samples = self.num_drafts[sample_rows] + 1
+        offsets = np.arange(num_samples.sum()) - np.repeat(np.cumsum(num_samples) - num_samples, num_samples)
+        last = cu[samples] - 1  # each sampling row's last token; its drafts' positions come before
+        to = dict(device=self.device)
+        return StepInputs(
+            input_ids=torch.from_numpy(self.token_ids[token_rows, positions].astype(np.int64)).to(**to),
+            positions=torch.from_numpy(positions).to(**to), attention=attention, sample_rows=sample_rows,
+            num_samples=num_samples, position_rows=np.repeat(sample_rows, num_samples), position_offsets=offsets,
+            logits_indices=torch.from_numpy(np.repeat(last - num_samples + 1, num_samples) + offsets).to(**to),
+            token_rows=token_rows, token_positions=positions, last_indices=last)
+
+    def attention(self, rows: np.ndarray, counts: np.ndarray, starts: np.ndarray
+                  ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
+        """The layout of ``counts[i]`` new tokens of row ``rows[i]`` from position ``starts[i]`` on, flattened in that
+        order (their slots must be allocated); also each token's row and position."""
+        cu = np.cumsum(counts)
+        ends = starts + counts
         token_rows = np.repeat(rows, counts)
         positions = np.arange(cu[-1]) - np.repeat(cu - counts, counts) + np.repeat(starts, counts)
         slot_mapping = self.block_table[token_rows, positions // self.block_size] * self.block_size \
             + positions % self.block_size
-        samples = ends == self.num_tokens[rows] + self.num_drafts[rows]
         width = int(self.num_blocks[rows].max())
         to = dict(device=self.device)
         attention = AttentionMetadata(
@@ -167,15 +187,11 @@ class InputBatch:
             seq_lens=ends.tolist(), block_tables=torch.from_numpy(self.block_table[rows, :width]).to(**to),
             block_size=self.block_size, decode_indices=np.flatnonzero(counts == 1).tolist(),
             prefill_indices=np.flatnonzero(counts > 1).tolist())
-        sample_rows = rows[samples]
-        num_samples = self.num_drafts[sample_rows] + 1
-        offsets = np.arange(num_samples.sum()) - np.repeat(np.cumsum(num_samples) - num_samples, num_samples)
-        last = np.repeat(cu[samples] - 1, num_samples)  # each row's last token; its drafts' positions come before
-        return StepInputs(
-            input_ids=torch.from_numpy(self.token_ids[token_rows, positions].astype(np.int64)).to(**to),
-            positions=torch.from_numpy(positions).to(**to), attention=attention, sample_rows=sample_rows,
-            num_samples=num_samples, position_rows=np.repeat(sample_rows, num_samples), position_offsets=offsets,
-            logits_indices=torch.from_numpy(last - np.repeat(num_samples - 1, num_samples) + offsets).to(**to))
+        return attention, token_rows, positions
+
+    def num_slots(self, rows: np.ndarray) -> np.ndarray:
+        """Positions each row's blocks can hold (the scheduler may have allocated past its scheduled tokens)."""
+        return np.minimum(self.num_blocks[rows] * self.block_size, self.token_ids.shape[1])
 
     def sampling_metadata(self, rows: np.ndarray, offsets: np.ndarray | None = None,
                           grammar_bitmasks: dict[str, np.ndarray] | None = None) -> SamplingMetadata:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.engine.input_batch import InputBatch
+from tokenmill.engine.input_batch import InputBatch, StepInputs
 from tokenmill.engine.messages import TokenLogprobs
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.sampling.sampler import Sampler, to_host
@@ -27,12 +27,14 @@ class RunnerOutput:
     # request id -> its tokens (accepted drafts, then one sampled), for the requests that sampled.
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one per token, for those that asked
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # from a drafter inside the model (MTP), per sampler
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str, max_num_seqs: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...], seed: int = 0):
+                 max_model_len: int, eos_token_ids: tuple[int, ...], seed: int = 0, drafter=None):
         self.model = model
+        self.drafter = drafter  # speculative/mtp.py's MTPDrafter, or None
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.batch = InputBatch(max_num_seqs, max_model_len, kv_cache.spec.block_size, kv_cache.null_block,
@@ -55,9 +57,16 @@ class ModelRunner:
         self.batch.set_drafts(out.spec_token_ids)
         inputs = self.batch.prepare(out.num_scheduled_tokens)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache)
+        result, kept = self._sample(inputs, hidden, out) if len(inputs.sample_rows) else (RunnerOutput(), [])
+        if self.drafter is not None:  # also when nothing sampled: the drafter's cache must see every position
+            drafts = self.drafter.propose(self.model, self.kv_cache, self.batch, inputs, hidden, kept)
+            result.drafts = dict(zip(result.sampled, drafts))
+        return result
+
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: SchedulerOutput) -> tuple[RunnerOutput, list]:
+        """Sample at every sampled position, accept drafts, append the kept tokens to their rows. Also returns how
+        many tokens each sampling row kept."""
         rows = inputs.sample_rows
-        if not len(rows):
-            return RunnerOutput()
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         meta = self.batch.sampling_metadata(inputs.position_rows, inputs.position_offsets, out.grammar_bitmasks)
         tokens, logprobs = to_host(self.sampler.sample(logits, meta), meta.num_logprobs)
@@ -71,8 +80,7 @@ class ModelRunner:
                 result.logprobs[request_id] = logprobs[start:start + len(kept)]
             start += n
         self.batch.append_sampled(rows, accepted)
-        return result
-
+        return result, [len(k) for k in accepted]
 
 def accept(drafts: list[int], sampled: list[int]) -> list[int]:
     """The step's tokens of one request: ``sampled[j]`` was sampled after drafts[:j]; drafts are kept while each

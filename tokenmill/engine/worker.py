@@ -91,10 +91,14 @@ def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, conf
     device = torch.device(config.resolved_device())
     dtype = resolve_dtype(config, device, (model_config.intermediate_size, model_config.hidden_size))
     kernels = kernel_choice(config, device, fp8_weights=model_config.fp8_weight_block is not None)
+    drafting = config.speculative_method == "mtp"
+    if drafting and not model_config.num_mtp_layers:
+        raise ConfigError(f"--speculative-method mtp needs a checkpoint with a multi-token-prediction layer "
+                          f"(DeepSeek-V3's num_nextn_predict_layers); {checkpoint.path} has none")
     try:
         model_cls = model_class_for(model_config)
         with torch.device("meta"):
-            model = model_cls(model_config, kernels=kernels)
+            model = model_cls(model_config, kernels=kernels, **({"mtp": True} if drafting else {}))
         # Materialized on the device in the compute dtype; each checkpoint tensor is converted as it is copied in.
         model.cast_parameters(dtype).to_empty(device=device)
         model.rotary.to(device)

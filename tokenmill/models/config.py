@@ -85,6 +85,8 @@ class ModelConfig:
     moe: MoEConfig | None = None
     # fp8 block quantization (DeepSeek-V3's format): the (rows, cols) block of one weight scale; None = unquantized.
     fp8_weight_block: tuple[int, int] | None = None
+    # DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), stored after the decoder layers.
+    num_mtp_layers: int = 0
 
     @property
     def attention_kind(self) -> str:
@@ -126,7 +128,8 @@ class ModelConfig:
             # Qwen2 has q/k/v biases without saying so in its config.
             attention_bias=bool(hf.get("attention_bias", False)) or architecture == "Qwen2ForCausalLM",
             rope=rope_parameters(hf), eos_token_ids=tuple(dict.fromkeys(eos)), mla=mla, moe=_moe(hf, architecture),
-            fp8_weight_block=tuple(quant.get("weight_block_size") or (128, 128)) if quant else None)
+            fp8_weight_block=tuple(quant.get("weight_block_size") or (128, 128)) if quant else None,
+            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0) if mla else 0)
 
 
 def _mla(hf: dict[str, Any], architecture: str) -> MLAConfig | None:

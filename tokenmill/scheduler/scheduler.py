@@ -15,7 +15,9 @@ Speculative decoding is the same rule with more known tokens: a decoding request
 (``spec_token_ids``, proposed by the engine after the last step) is scheduled for its last token plus the drafts;
 the runner samples at every one of those positions and returns the accepted drafts plus one token of its own.
 ``update`` then takes back the computed count of the rejected drafts (their KV slots are overwritten by the next
-step, and blocks that only held them go back to the pool).
+step, and blocks that only held them go back to the pool). A drafter inside the model (DeepSeek's MTP) writes its own
+cache a few positions past a request's scheduled tokens: ``num_lookahead_tokens`` reserves those slots for each
+request that samples, from blocks left free once the step is scheduled (never at the cost of a preemption).
 
 The runner hears of all this only through ``SchedulerOutput`` (scheduler/output.py): a request enters its batch
 when admitted, sends block diffs while it runs, and leaves when it finishes, is aborted or is preempted.
@@ -64,8 +66,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_lookahead_tokens: int = 0):
         self.kv = kv
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -129,7 +133,26 @@ class Scheduler:
                 list(request.block_ids), request.num_computed_tokens))
             out.num_scheduled_tokens[request.request_id] = n
             budget -= n
+        if self.num_lookahead_tokens:
+            self._reserve_lookahead(out)
         return out
+
+    def _reserve_lookahead(self, out: SchedulerOutput) -> None:
+        """Best effort, after everything is scheduled: blocks for ``num_lookahead_tokens`` slots past the scheduled
+        tokens of each request that samples this step, added to its diff."""
+        diffs = {d.request_id: d for d in (*out.new_requests, *out.running)}
+        for request_id, n in out.num_scheduled_tokens.items():
+            request, diff = self.requests[request_id], diffs[request_id]
+            known = len(request.block_ids)
+            samples = request.num_computed_tokens + n >= request.num_tokens
+            if not samples or not self.kv.allocate_slots(request, n + self.num_lookahead_tokens):
+                continue
+            added = request.block_ids[known:]
+            if isinstance(diff, NewRequestData):
+                diff.block_ids.extend(added)
+            elif added:
+                diff.new_block_ids = diff.new_block_ids + added
+                diff.num_blocks = len(request.block_ids)
 
     @staticmethod
     def _drafts(request: Request, num_new_tokens: int, budget: int) -> list[int]:
