@@ -6,13 +6,14 @@ import json
 import torch
 
 
-def make_llama_checkpoint(path, smollm_llm, arch="llama", rope=None):
+def make_llama_checkpoint(path, smollm_llm, arch="llama", rope=None, num_kv_heads=2, extra_vocab=0):
+    """``extra_vocab``: rows past the tokenizer's (as padded vocabularies have; never sampled by a trained model)."""
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=len(smollm_llm.tokenizer.hf), hidden_size=64, intermediate_size=96,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False)
+    common = dict(vocab_size=len(smollm_llm.tokenizer.hf) + extra_vocab, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=num_kv_heads,
+                  max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
     if arch == "llama":
         config = transformers.LlamaConfig(**common, head_dim=16, rope_theta=10000.0)
         if rope:

@@ -82,6 +82,10 @@ class EngineConfig(BaseSettings):
     num_speculative_tokens: int = Field(3, gt=0, le=16, description="most draft tokens per request and step")
     prompt_lookup_min: int = Field(2, gt=0, description="shortest n-gram the ngram method matches")
     prompt_lookup_max: int = Field(4, gt=0, description="longest n-gram the ngram method matches (tried first)")
+    # --- parallelism
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split across (heads, MLP width, "
+                                                          "vocabulary), one process each on this host: GPUs 0..N-1 "
+                                                          "with NCCL, or the CPU cores shared out, with gloo")
     # --- runtime
     seed: int = 0
     num_threads: int | None = Field(

@@ -60,6 +60,10 @@ class LLM:
         self.engine = EngineCore(load_config(config_file, model=model, **config))
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's worker ranks (tensor parallelism); also done at interpreter exit."""
+        self.engine.close()
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
                     ) -> str:
         """Validate and queue one request (ValueError naming the problem); step ``self.engine`` to run it."""

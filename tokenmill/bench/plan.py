@@ -22,7 +22,7 @@ from typing import Any
 
 from tokenmill.config import parse_byte_size
 from tokenmill.kvcache.spec import ELEMENT_BYTES, KVCacheSpec
-from tokenmill.models.config import ModelConfig
+from tokenmill.models.config import ModelConfig, tp_split
 
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 GiB = 2**30
@@ -98,25 +98,10 @@ def num_parameters(c: dict[str, Any] | ModelConfig) -> int:
     return total
 
 
-def _split(n: int, tp: int, what: str) -> int:
-    if n % tp:
-        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {tp}")
-    return n // tp
-
-
-def local_kv_heads(m: ModelConfig, tp: int) -> int:
-    """KV heads one rank holds: split when there are at least tp, else one (replicated tp / kv_heads times)."""
-    if m.num_kv_heads >= tp:
-        return _split(m.num_kv_heads, tp, "KV heads")
-    if tp % m.num_kv_heads:
-        raise ValueError(f"the tensor-parallel size {tp} is not a multiple of the KV heads ({m.num_kv_heads})")
-    return 1
-
-
 def _rank_attention_parameters(m: ModelConfig, tp: int) -> int:
-    h, local_heads = m.hidden_size, _split(m.num_heads, tp, "attention heads")
+    h, local_heads = m.hidden_size, tp_split(m.num_heads, tp, "attention heads")
     if not m.mla:
-        return h * m.head_dim * (2 * local_heads + 2 * local_kv_heads(m, tp))
+        return h * m.head_dim * (2 * local_heads + 2 * m.local_kv_heads(tp))
     a, q_lora = m.mla, m.mla.q_lora_rank
     replicated = (h * q_lora + q_lora if q_lora else 0) + h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
     split = (q_lora or h) * local_heads * m.head_dim  # q_b (or q_proj)
@@ -132,20 +117,17 @@ def rank_parameters(c: dict[str, Any] | ModelConfig, tp: int) -> int:
     total = vocab * h * (1 if m.tie_word_embeddings else 2) + h
     for layer in range(m.num_layers):
         if m.moe and m.moe.is_moe_layer(layer):
-            experts = _split(m.moe.num_experts, tp, "routed experts") + m.moe.num_shared_experts / tp
+            experts = tp_split(m.moe.num_experts, tp, "routed experts") + m.moe.num_shared_experts / tp
             mlp = int(experts * 3 * h * m.moe.intermediate_size) + m.moe.num_experts * h
         else:
-            mlp = 3 * h * _split(m.intermediate_size, tp, "the MLP width")
+            mlp = 3 * h * tp_split(m.intermediate_size, tp, "the MLP width")
         total += _rank_attention_parameters(m, tp) + mlp + 2 * h
     return total
 
 
 def rank_kv_spec(c: dict[str, Any] | ModelConfig, dtype: str, tp: int, block_size: int = 16) -> KVCacheSpec:
     """One rank's KV cache layout: its KV heads (GQA/MHA), or the whole latent (MLA, replicated)."""
-    m = model_config(c)
-    if m.mla:
-        return m.kv_cache_spec(dtype, block_size)
-    return KVCacheSpec.for_gqa(m.num_layers, local_kv_heads(m, tp), m.head_dim, dtype, block_size)
+    return model_config(c).kv_cache_spec(dtype, block_size, tp)
 
 
 @dataclass

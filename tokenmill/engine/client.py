@@ -15,7 +15,7 @@ import asyncio
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.admission import Admission
@@ -44,6 +44,8 @@ class EngineClient:
         self._live: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
+        # Called once the engine has failed and every request in flight has its error (``tokenmill serve`` exits).
+        self.on_failure: Callable[[BaseException], None] = lambda exc: None
 
     # --- lifecycle
     def start(self) -> EngineInfo:
@@ -158,6 +160,7 @@ class EngineClient:
         self.error = exc
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._fail_all, exc)
+        self.on_failure(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._live.values():

@@ -6,20 +6,23 @@ in the caller's thread (``LLM``, tests) and in its own process (``tokenmill serv
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.group import TensorParallel
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.messages import EngineInfo, EngineRequest, EngineStats, RequestOutput, StepOutputs
 from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.ranks import WorkerRanks, ranks_config
 from tokenmill.engine.warmup import prepare_cpu
-from tokenmill.engine.worker import load_model_and_cache
+from tokenmill.engine.worker import LoadedModel, load_model_and_cache
 from tokenmill.kvcache.manager import KVCacheManager
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.loader import open_checkpoint
+from tokenmill.models.loader import Checkpoint, open_checkpoint
 from tokenmill.models.tokenizer import Tokenizer
 from tokenmill.runtime import keep_freed_memory_in_heap, resident_memory_bytes
 from tokenmill.scheduler.output import SchedulerOutput
@@ -33,27 +36,52 @@ from tokenmill.structured.matchers import ZONE, GrammarMatchers
 log = logging.getLogger(__name__)
 
 
+def open_model(config: EngineConfig) -> tuple[Checkpoint, Tokenizer, ModelConfig]:
+    checkpoint = open_checkpoint(config.model)
+    tokenizer = Tokenizer(checkpoint)
+    return checkpoint, tokenizer, ModelConfig.from_hf(checkpoint.hf_config, checkpoint.generation_config,
+                                                      tokenizer.eos_token_id)
+
+
+def make_runner(config: EngineConfig, loaded: LoadedModel, model_config: ModelConfig) -> ModelRunner:
+    drafter = MTPDrafter(config.num_speculative_tokens) if config.speculative_method == "mtp" else None
+    return ModelRunner(loaded.model, loaded.kv_cache, loaded.device, config.max_num_seqs, loaded.max_model_len,
+                       model_config.eos_token_ids, config.seed, drafter)
+
+
+def build_rank_runner(config: EngineConfig, tp: TensorParallel) -> ModelRunner:
+    """A worker rank's runner over its shard of the model (engine/ranks.py)."""
+    torch.set_num_threads(config.num_threads or 1)
+    checkpoint, _, model_config = open_model(config)
+    return make_runner(config, load_model_and_cache(checkpoint, model_config, config, tp), model_config)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
+        if config.resolved_device() == "cpu":
+            keep_freed_memory_in_heap()
+        checkpoint, self.tokenizer, self.model_config = open_model(config)
+        self.ranks = None  # worker ranks 1..N-1 under tensor parallelism
+        if config.tensor_parallel_size > 1:
+            config = ranks_config(config, self.model_config)
+            self.ranks = WorkerRanks(config)
+            atexit.register(self.close)
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if config.resolved_device() == "cpu":
-            keep_freed_memory_in_heap()
-        checkpoint = open_checkpoint(config.model)
-        self.tokenizer = Tokenizer(checkpoint)
-        self.model_config = ModelConfig.from_hf(checkpoint.hf_config, checkpoint.generation_config,
-                                                self.tokenizer.eos_token_id)
-        loaded = load_model_and_cache(checkpoint, self.model_config, config)
-        if loaded.device.type == "cpu":
+        try:
+            loaded = load_model_and_cache(checkpoint, self.model_config, config,
+                                          self.ranks.tp if self.ranks else TensorParallel())
+        except BaseException:
+            self.close()
+            raise
+        if loaded.device.type == "cpu" and self.ranks is None:  # tensor-parallel ranks run eagerly
             prepare_cpu(loaded.model, loaded.kv_cache, config)
-        method, k = config.speculative_method, config.num_speculative_tokens
         # Drafts from token ids (n-gram: here, after each step) or from the model itself (MTP: the runner's).
-        self.proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max) \
-            if method == "ngram" else None
-        drafter = MTPDrafter(k) if method == "mtp" else None
-        self.runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, config.max_num_seqs,
-                                  loaded.max_model_len, self.model_config.eos_token_ids, config.seed, drafter)
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max) if config.speculative_method == "ngram" else None
+        self.runner = make_runner(config, loaded, self.model_config)
+        drafter = self.runner.drafter
         kv = KVCacheManager(loaded.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    drafter.num_lookahead_tokens if drafter else 0)
@@ -99,6 +127,11 @@ class EngineCore:
         return RequestOutput(request_id, [], "", request.num_prompt_tokens, request.num_output_tokens,
                              finished=True, finish_reason="abort", first_scheduled_time=request.first_scheduled_time)
 
+    def close(self) -> None:
+        """Stop the worker ranks, if any (idempotent; also at interpreter exit)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -118,6 +151,8 @@ class EngineCore:
         start = time.perf_counter()
         out = self.scheduler.schedule()
         self._grammar_bitmasks(out)
+        if self.ranks is not None:
+            self.ranks.broadcast_step(out)
         result = self.runner.execute(out)
         if out.is_empty:
             return StepOutputs([], self.stats())

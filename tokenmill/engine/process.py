@@ -93,6 +93,8 @@ class InProcessEngine:
         except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiting request
             log.exception("engine thread failed")
             on_dead(exc)
+        finally:
+            core.close()
 
 
 def apply_commands(core, adds: list[EngineRequest], aborts: list[str]) -> StepOutputs:
@@ -226,7 +228,13 @@ def run_engine_process(config: dict[str, Any], to_engine: str, from_engine: str,
         push.close(linger=5000)
         return
     push.send_multipart([_READY, encoder.encode(core.info)])
-    _serve(core, pull, push, encoder, parent_pid)
+    try:
+        _serve(core, pull, push, encoder, parent_pid)
+    except BaseException as exc:  # noqa: BLE001 - a failed step (a dead tensor-parallel rank): tell the API first
+        push.send_multipart([_ERROR, encoder.encode(f"{type(exc).__name__}: {exc}")])
+        raise
+    finally:
+        core.close()
     push.close(linger=1000)
     pull.close(linger=0)
     ctx.term()

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.distributed.group import TensorParallel
 from tokenmill.kernels.backend import KernelChoice, resolve_kernel_backend
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.models.config import ModelConfig
@@ -29,6 +30,11 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The configuration's name of a compute dtype (``resolve_dtype``'s inverse)."""
+    return next(name for name, d in _DTYPES.items() if d == dtype)
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device, shape: tuple[int, int] = (1536, 576)) -> torch.dtype:
@@ -87,8 +93,11 @@ def kernel_choice(config: EngineConfig, device: torch.device, fp8_weights: bool)
     return KernelChoice(backend, tuner)
 
 
-def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, config: EngineConfig) -> LoadedModel:
-    device = torch.device(config.resolved_device())
+def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, config: EngineConfig,
+                         tp: TensorParallel = TensorParallel()) -> LoadedModel:
+    """This rank's model (its shard of every weight, read straight into the compute dtype on its device) and KV
+    cache; with several ranks, every rank gets the same number of blocks (the smallest any rank's memory allows)."""
+    device = tp.device if tp.size > 1 else torch.device(config.resolved_device())
     dtype = resolve_dtype(config, device, (model_config.intermediate_size, model_config.hidden_size))
     kernels = kernel_choice(config, device, fp8_weights=model_config.fp8_weight_block is not None)
     drafting = config.speculative_method == "mtp"
@@ -97,18 +106,21 @@ def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, conf
                           f"(DeepSeek-V3's num_nextn_predict_layers); {checkpoint.path} has none")
     try:
         model_cls = model_class_for(model_config)
+        extra = {"mtp": True} if drafting else {}
+        if tp.size > 1:  # engine/ranks.py checked that the model splits
+            extra["tp"] = tp
         with torch.device("meta"):
-            model = model_cls(model_config, kernels=kernels, **({"mtp": True} if drafting else {}))
+            model = model_cls(model_config, kernels=kernels, **extra)
         # Materialized on the device in the compute dtype; each checkpoint tensor is converted as it is copied in.
         model.cast_parameters(dtype).to_empty(device=device)
         model.rotary.to(device)
-        model.load_weights(checkpoint.weights())
+        model.load_weights(checkpoint.weights(model.weight_shard if tp.size > 1 else None))
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"cannot build the model from {checkpoint.path}: {exc}") from None
     model.eval()
 
     spec = model.kv_cache_spec(config.resolved_kv_cache_dtype(), config.block_size)
-    num_blocks = spec.num_blocks_for(_kv_budget(config, device)) - 1  # one block is the cache's null block
+    num_blocks = tp.min(spec.num_blocks_for(_kv_budget(config, device)) - 1)  # less the cache's null block
     capacity = num_blocks * spec.block_size
     max_model_len = config.max_model_len or model.max_position
     if max_model_len > model.max_position:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.distributed.group import TensorParallel
 from tokenmill.kernels.attention_op import attention_context
 from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.metadata import AttentionMetadata
@@ -27,13 +28,15 @@ class DecoderLM(nn.Module):
     config: ModelConfig
     # ``decoder`` as compiled by models/compile.py, or None (eager).
     compiled_decoder = None
+    # This rank's place when the model is split across tensor-parallel ranks (a model that splits sets its own).
+    tp = TensorParallel()
 
     @property
     def max_position(self) -> int:
         return self.config.max_position
 
     def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int) -> KVCacheSpec:
-        return self.config.kv_cache_spec(dtype, block_size)
+        return self.config.kv_cache_spec(dtype, block_size, self.tp.size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
@@ -50,6 +53,11 @@ class DecoderLM(nn.Module):
             x = layer(x, positions)
         return self.norm(x)
 
+    def weight_shard(self, name: str) -> tuple[int, slice] | None:
+        """The (dimension, slice) of checkpoint tensor ``name`` this tensor-parallel rank loads (None: all of it).
+        A model that splits across ranks overrides this; one that does not is served by one rank only."""
+        return None
+
     def use_kernels(self, choice: KernelChoice) -> None:
         """Point every layer that calls kernels (those with a ``kernels`` attribute) at ``choice``."""
         for module in self.modules():
@@ -57,8 +65,9 @@ class DecoderLM(nn.Module):
                 module.kernels = choice
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> float32 logits [S, vocab]."""
-        return logits_with_exact_top(hidden, self.lm_head.weight)
+        """hidden [S, hidden] -> float32 logits [S, vocab] (every rank's vocabulary shard gathered)."""
+        logits = logits_with_exact_top(hidden, self.lm_head.weight)
+        return self.tp.all_gather_last(logits)[:, :self.config.vocab_size] if self.tp.size > 1 else logits
 
     def cast_parameters(self, dtype: torch.dtype) -> "DecoderLM":
         """Give every parameter the compute ``dtype``, except fp8 weights (kept fp8: ``Module.to`` would widen them)

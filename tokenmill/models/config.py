@@ -27,6 +27,13 @@ def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def tp_split(n: int, tp: int, what: str) -> int:
+    """``n`` (heads, experts, a width) shared evenly by ``tp`` ranks; a ValueError naming ``what`` if it cannot be."""
+    if n % tp:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {tp}")
+    return n // tp
+
+
 def _ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -94,13 +101,22 @@ class ModelConfig:
             return "MLA"
         return "MHA" if self.num_kv_heads == self.num_heads else "GQA"
 
-    def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int) -> KVCacheSpec:
-        """MLA: one slot per token and layer holding the latent and the roped key, nothing per head;
-        GQA/MHA: K and V per KV head."""
+    def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int, tp: int = 1) -> KVCacheSpec:
+        """One of ``tp`` tensor-parallel ranks' layout. MLA: one slot per token and layer holding the latent and the
+        roped key, nothing per head (every rank holds it whole); GQA/MHA: K and V per local KV head."""
         if self.mla:
             return KVCacheSpec(self.num_layers, 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim, dtype,
                                block_size)
-        return KVCacheSpec.for_gqa(self.num_layers, self.num_kv_heads, self.head_dim, dtype, block_size)
+        return KVCacheSpec.for_gqa(self.num_layers, self.local_kv_heads(tp), self.head_dim, dtype, block_size)
+
+    def local_kv_heads(self, tp: int) -> int:
+        """KV heads one of ``tp`` ranks holds: split when there are at least tp, else one (each replicated on
+        tp / kv_heads ranks, the ones whose query heads read it)."""
+        if self.num_kv_heads >= tp:
+            return tp_split(self.num_kv_heads, tp, "KV heads")
+        if tp % self.num_kv_heads:
+            raise ValueError(f"the tensor-parallel size {tp} is not a multiple of the KV heads ({self.num_kv_heads})")
+        return 1
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None,

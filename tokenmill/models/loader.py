@@ -1,7 +1,9 @@
 """Find a model and read its config and weights: a Hugging Face checkpoint directory or a GGUF file.
 
 Both paths yield the same thing: an HF-style config dict and (HF tensor name, tensor) pairs, so model code
-knows one naming scheme. GGUF tensors are dequantized at load with the ``gguf`` package; llama.cpp's
+knows one naming scheme. A tensor-parallel rank passes ``shard`` (name -> (dim, slice) or None) and gets only its
+slice of each tensor: read lazily from safetensors (``get_slice``: only those bytes leave the file), cut right after
+dequantizing from GGUF; either way the host holds at most one tensor at a time. GGUF tensors are dequantized at load with the ``gguf`` package; llama.cpp's
 rotary permutation of Q/K rows is undone so that GGUF and safetensors weights run the same code.
 """
 
@@ -21,6 +23,14 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+# Checkpoint tensor name -> (dimension, slice) of it to load, or None for the whole tensor.
+Shard = Callable[[str], "tuple[int, slice] | None"]
+
+
+def _index(dim: int, part: slice) -> tuple[slice, ...]:
+    return (slice(None),) * dim + (part,)
+
+
 class ModelLoadError(RuntimeError):
     """The model is missing, malformed or of an unsupported kind; the message says which and how to fix it."""
 
@@ -30,7 +40,7 @@ class Checkpoint:
     path: Path  # the directory or the .gguf file
     name: str  # what /v1/models calls it
     hf_config: dict[str, Any]
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    weights: Callable[["Shard | None"], Iterator[tuple[str, torch.Tensor]]]
     # generation_config.json (HF directories), which may list more EOS ids than config.json.
     generation_config: dict[str, Any]
     # Where the tokenizer lives: a directory, plus the GGUF file name inside it when it comes from GGUF.
@@ -76,14 +86,15 @@ def _open_hf_dir(path: Path) -> Checkpoint:
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weight files")
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(shard: Shard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
 
         for file in files:
             try:
                 with safe_open(str(file), framework="pt") as fh:
                     for name in fh.keys():
-                        yield name, fh.get_tensor(name)
+                        cut = shard(name) if shard else None
+                        yield name, fh.get_tensor(name) if cut is None else fh.get_slice(name)[_index(*cut)]
             except Exception as exc:  # safetensors raises its own error types for corrupt files
                 raise ModelLoadError(f"cannot read weights from {file}: {exc}") from None
 
@@ -178,12 +189,16 @@ def _open_gguf(path: Path, name: str) -> Checkpoint:
     permute_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     llama_layout = config["architectures"][0] == "LlamaForCausalLM"
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(shard: Shard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for tensor in reader.tensors:
             array = dequantize(tensor.data, tensor.tensor_type)
             part = tensor.name.split(".")[-2]
             if llama_layout and part in permute_heads:
                 array = unpermute_rotary_rows(array, permute_heads[part])
-            yield hf_name_for_gguf(tensor.name), torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
+            name = hf_name_for_gguf(tensor.name)
+            cut = shard(name) if shard else None
+            if cut is not None:
+                array = array[_index(*cut)]
+            yield name, torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
 
     return Checkpoint(path, name, config, weights, {}, tokenizer_dir=path.parent, tokenizer_gguf_file=path.name)

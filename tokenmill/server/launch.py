@@ -2,6 +2,10 @@
 
 On SIGTERM: /ready and new /v1 requests turn 503, requests in flight get up to ``shutdown_timeout`` seconds
 to finish, then uvicorn shuts down and the process exits 0. A second SIGTERM, or SIGINT, stops at once.
+
+When the engine fails (its process or a tensor-parallel rank dies), requests in flight get errors at once, /ready,
+/health and new requests 503, and ``ENGINE_FAILURE_EXIT_DELAY`` seconds later the process exits 1, so that its
+supervisor (docker's restart policy, systemd, Kubernetes) starts a fresh one.
 """
 
 from __future__ import annotations
@@ -9,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
+from typing import Callable
 
 import uvicorn
 
@@ -24,6 +30,9 @@ from tokenmill.server.serving import ServerContext
 from tokenmill.tools.formats import detect_format
 
 log = logging.getLogger(__name__)
+
+# Seconds a server whose engine failed keeps answering 503 (pollers and load balancers see why) before it exits 1.
+ENGINE_FAILURE_EXIT_DELAY = 5.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -55,9 +64,10 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def _loader(config: EngineConfig, clients: list[EngineClient]):
+def _loader(config: EngineConfig, clients: list[EngineClient], on_failure: Callable[[BaseException], None]):
     def load() -> ServerContext:
         client = EngineClient(config, in_process=not config.engine_process)
+        client.on_failure = on_failure
         clients.append(client)  # stopped at exit, also when it never became ready
         info = client.start()
         log.info("serving %s: KV cache %d tokens, admission limit %d promised tokens", info.model_name,
@@ -74,7 +84,15 @@ def serve(config: EngineConfig) -> int:
     keys = load_keys(config.api_key, config.api_key_file)
     state = ServerState(Authenticator(keys), config.auth_all_endpoints)
     clients: list[EngineClient] = []
-    asgi = build_app(state, _loader(config, clients), config.cors_origins, config.max_request_body_bytes)
+    failures: list[BaseException] = []
+
+    def engine_failed(exc: BaseException) -> None:
+        failures.append(exc)
+        log.error("the engine failed (%s): exiting in %.0f s", exc, ENGINE_FAILURE_EXIT_DELAY)
+        threading.Timer(ENGINE_FAILURE_EXIT_DELAY, lambda: setattr(server, "should_exit", True)).start()
+
+    asgi = build_app(state, _loader(config, clients, engine_failed), config.cors_origins,
+                     config.max_request_body_bytes)
     uv_config = uvicorn.Config(asgi, host=config.host, port=config.port, log_config=None,
                                timeout_graceful_shutdown=1, access_log=False)
     server = DrainingServer(uv_config, state, config.shutdown_timeout)
@@ -85,4 +103,4 @@ def serve(config: EngineConfig) -> int:
     finally:
         for client in clients:
             client.stop()
-    return 1 if state.load_error is not None else 0
+    return 1 if state.load_error is not None or failures else 0

@@ -1,0 +1,89 @@
+"""Tensor parallelism on CPU with gloo: ranks 1..N-1 are processes of their own, rank 0 is the engine core.
+
+Greedy tokens at --tensor-parallel-size 2 equal transformers', fp32, for a tiny Llama with 2 KV heads (split) and
+with 1 KV head (replicated) and a vocabulary that does not split evenly (the last shard padded), and a tiny Qwen2
+(sharded q/k/v biases). A killed rank fails the next step at once instead of hanging. The embedded SmolLM2 GGUF on 3
+ranks (tied embeddings, slices cut after dequantizing), served through the API, is in
+tests/server/test_engine_process.py.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.conftest import hf_greedy
+from tests.tiny_checkpoints import make_llama_checkpoint
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import ConfigError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+PROMPTS = [[(5 * i) % 7 + 100 for i in range(n)] for n in (9, 20, 33)]
+FP32 = dict(dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="8MiB", num_threads=1)
+
+CHECKPOINTS = {
+    "llama-2-kv-heads": dict(arch="llama"),
+    "llama-1-kv-head-odd-vocab": dict(arch="llama", num_kv_heads=1, extra_vocab=3),
+    "qwen2": dict(arch="qwen2"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CHECKPOINTS))
+def test_two_ranks_equal_transformers(tmp_path, smollm_llm, kind):
+    hf = make_llama_checkpoint(tmp_path, smollm_llm, **CHECKPOINTS[kind])
+    expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+    llm = LLM(model=str(tmp_path), tensor_parallel_size=2, max_num_batched_tokens=24, **FP32)
+    try:
+        assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == expected
+        c = hf.config
+        local_kv = max(1, c.num_key_value_heads // 2)
+        assert llm.engine.info.kv_bytes_per_token == c.num_hidden_layers * 2 * local_kv * 16 * 4  # this rank's heads
+        model = llm.engine.runner.model
+        assert model.lm_head.weight.shape[0] == -(-c.vocab_size // 2)  # one rank's vocabulary rows
+    finally:
+        llm.close()
+
+
+def test_sizes_that_do_not_split_are_config_errors(tmp_path, smollm_llm):
+    with pytest.raises(ConfigError, match=r"attention heads \(9\) is not divisible by the tensor-parallel size 2"):
+        LLM(tensor_parallel_size=2, **FP32)
+    from tests.tiny_checkpoints import make_tiny_checkpoint
+
+    make_tiny_checkpoint(tmp_path, smollm_llm, "v2-lite-like")
+    with pytest.raises(ConfigError, match="tensor parallelism is not built for DeepseekV2ForCausalLM"):
+        LLM(model=str(tmp_path), tensor_parallel_size=2, **FP32)
+
+
+def test_a_killed_rank_fails_the_engine_instead_of_hanging(tmp_path, smollm_llm):
+    make_llama_checkpoint(tmp_path, smollm_llm)
+    llm = LLM(model=str(tmp_path), tensor_parallel_size=2, **FP32)
+    engine = llm.engine
+    try:
+        llm.add_request(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        engine.step()
+        worker = engine.ranks.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1"):
+            for _ in range(50):
+                engine.step()
+        assert time.monotonic() - start < 5
+    finally:
+        llm.close()
+
+
+def test_each_rank_reads_only_its_slices(tmp_path, smollm_llm):
+    """The loader hands a rank its slice of each tensor (safetensors get_slice): equal to slicing the whole."""
+    from tokenmill.models.loader import open_checkpoint
+
+    make_llama_checkpoint(tmp_path, smollm_llm)
+    checkpoint = open_checkpoint(str(tmp_path))
+    whole = dict(checkpoint.weights())
+    shard = {"model.layers.0.self_attn.o_proj.weight": (1, slice(16, 48)),
+             "model.layers.1.mlp.up_proj.weight": (0, slice(48, 96))}
+    for name, tensor in checkpoint.weights(shard.get):
+        dim, part = shard.get(name, (0, slice(None)))
+        torch.testing.assert_close(tensor, whole[name][(slice(None),) * dim + (part,)], rtol=0, atol=0)

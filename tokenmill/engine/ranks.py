@@ -1,0 +1,143 @@
+"""The worker ranks of a tensor-parallel engine, and the loop each of them runs.
+
+The engine core is rank 0: it schedules, and before each step it broadcasts the step's ``SchedulerOutput`` (plain
+data) to ranks 1..N-1, which run the same model runner over their shards and report nothing (their sampled tokens are
+rank 0's: distributed/group.py). Ranks 1..N-1 are processes of their own (``python -m tokenmill.engine.ranks``),
+started by the engine core with the configuration on stdin and joined over a TCP store on this host; rank r runs on
+cuda:r, or on the CPU with gloo.
+
+Failure: rank 0 checks its workers before every step, and a collective with a dead peer fails at once (the closed
+connection), so a rank that dies makes the engine's step raise -- the engine then stops, its requests get errors,
+never a hang. A worker exits when rank 0 broadcasts the end (None), when a collective fails (rank 0 is gone), or when
+its parent process is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.distributed.group import TIMEOUT, TensorParallel
+from tokenmill.engine.worker import dtype_name, resolve_dtype
+from tokenmill.models.base import DecoderLM
+from tokenmill.models.config import ModelConfig, tp_split
+from tokenmill.models.registry import model_class_for
+
+log = logging.getLogger(__name__)
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank exited or a collective with it failed: the engine cannot go on."""
+
+
+def ranks_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+    """The configuration every rank runs under, settled on rank 0 before the workers start: the model must split
+    over the ranks (a ConfigError says why not), the ``auto`` dtype is measured once here (ranks must agree), and on a
+    CPU the cores are shared out (one thread per rank on 2 cores) unless ``num_threads`` says otherwise."""
+    size = config.tensor_parallel_size
+    if model_class_for(model_config).weight_shard is DecoderLM.weight_shard:
+        raise ConfigError(f"tensor parallelism is not built for {model_config.architecture} yet")
+    try:
+        tp_split(model_config.num_heads, size, "the attention heads")
+        tp_split(model_config.intermediate_size, size, "the MLP width")
+        model_config.local_kv_heads(size)
+    except ValueError as exc:
+        raise ConfigError(f"--tensor-parallel-size {size}: {exc}") from None
+    device = rank_device(config, 0)
+    dtype = resolve_dtype(config, device, (model_config.intermediate_size, model_config.hidden_size))
+    threads = config.num_threads or (max(1, len(os.sched_getaffinity(0)) // size) if device.type == "cpu" else None)
+    return config.model_copy(update={"dtype": dtype_name(dtype), "num_threads": threads})
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if config.resolved_device() == "cuda" else torch.device("cpu")
+
+
+class WorkerRanks:
+    """Ranks 1..N-1 as child processes of the engine core, which joins the group as rank 0."""
+
+    def __init__(self, config: EngineConfig):
+        size = config.tensor_parallel_size
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+        payload = config.model_dump_json()
+        self.procs: list[subprocess.Popen] = []
+        for rank in range(1, size):
+            proc = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.ranks", str(rank), str(size),
+                                     str(store.port), str(os.getpid())], stdin=subprocess.PIPE)
+            proc.stdin.write(payload.encode())
+            proc.stdin.close()
+            self.procs.append(proc)
+        log.info("tensor parallel: %d ranks, workers pid %s", size, ", ".join(str(p.pid) for p in self.procs))
+        self.tp = TensorParallel.join(store, 0, size, rank_device(config, 0))
+        self._store = store  # the workers' rendezvous and the group's: kept alive with the group
+
+    def check(self) -> None:
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                raise RankFailedError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                                      f"{proc.returncode}")
+
+    def broadcast_step(self, out) -> None:
+        """Send one step's SchedulerOutput to every worker (each runs it as rank 0 does)."""
+        self.check()
+        try:
+            self.tp.broadcast_object(out)
+        except RuntimeError as exc:
+            raise RankFailedError(f"a tensor-parallel rank failed: {exc}") from None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Tell the workers to stop (if they can still hear), then make sure they have. Idempotent."""
+        if all(p.poll() is not None for p in self.procs):
+            return
+        try:
+            self.tp.broadcast_object(None)
+        except RuntimeError:
+            pass  # a rank is gone: the others see the broken group and exit, or are killed below
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, name="tokenmill-parent-watch", daemon=True).start()
+
+
+def worker_main(rank: int, size: int, port: int, parent_pid: int) -> int:
+    """Rank ``rank`` >= 1: join, load this rank's shard, then run every step rank 0 broadcasts until None."""
+    from tokenmill.engine.core import build_rank_runner
+    from tokenmill.logs import configure_logging
+
+    config = EngineConfig(**json.loads(sys.stdin.read()))
+    configure_logging(config.log_json)
+    _exit_with_parent(parent_pid)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=TIMEOUT)
+    tp = TensorParallel.join(store, rank, size, rank_device(config, rank))
+    runner = build_rank_runner(config, tp)
+    try:
+        while (out := tp.broadcast_object()) is not None:
+            runner.execute(out)
+    except RuntimeError as exc:  # rank 0 or another rank is gone
+        log.error("tensor-parallel rank %d stops: %s", rank, exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(*(int(a) for a in sys.argv[1:5])))
