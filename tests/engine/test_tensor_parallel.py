@@ -1,8 +1,9 @@
 """Tensor parallelism on CPU with gloo: ranks 1..N-1 are processes of their own, rank 0 is the engine core.
 
 Greedy tokens at --tensor-parallel-size 2 equal transformers', fp32, for a tiny Llama with 2 KV heads (split) and
-with 1 KV head (replicated) and a vocabulary that does not split evenly (the last shard padded), and a tiny Qwen2
-(sharded q/k/v biases). A killed rank fails the next step at once instead of hanging. The embedded SmolLM2 GGUF on 3
+with 1 KV head (replicated) and a vocabulary that does not split evenly (the last shard padded), a tiny Qwen2
+(sharded q/k/v biases), and tiny DeepSeek-V2 and V3 (MLA heads split, the latent replicated, 8 routed experts 4 per
+rank, the shared expert split by width; V3 also with its MTP layer drafting). A killed rank fails the next step at once instead of hanging. The embedded SmolLM2 GGUF on 3
 ranks (tied embeddings, slices cut after dequantizing), served through the API, is in
 tests/server/test_engine_process.py.
 """
@@ -33,27 +34,60 @@ CHECKPOINTS = {
 @pytest.mark.parametrize("kind", list(CHECKPOINTS))
 def test_two_ranks_equal_transformers(tmp_path, smollm_llm, kind):
     hf = make_llama_checkpoint(tmp_path, smollm_llm, **CHECKPOINTS[kind])
+    llm = two_ranks_match(tmp_path, hf)
+    c = hf.config
+    local_kv = max(1, c.num_key_value_heads // 2)
+    assert llm.engine.info.kv_bytes_per_token == c.num_hidden_layers * 2 * local_kv * 16 * 4  # this rank's heads
+    assert llm.engine.runner.model.lm_head.weight.shape[0] == -(-c.vocab_size // 2)  # one rank's vocabulary rows
+
+
+@pytest.mark.parametrize("kind", ["v2-lite-like", "v3-q-lora"])
+def test_two_ranks_split_mla_heads_and_experts(tmp_path, smollm_llm, kind):
+    from tests.tiny_checkpoints import make_deepseek_checkpoint
+
+    hf = make_deepseek_checkpoint(tmp_path, smollm_llm, kind)
+    llm = two_ranks_match(tmp_path, hf)
+    model, c = llm.engine.runner.model, hf.config
+    moe = model.layers[c.first_k_dense_replace].mlp
+    assert moe.w_gate_up.shape[0] == c.n_routed_experts // 2 and moe.gate_weight.shape[0] == c.n_routed_experts
+    a = c.kv_lora_rank + c.qk_rope_head_dim
+    assert llm.engine.info.kv_bytes_per_token == c.num_hidden_layers * a * 4  # the whole latent on every rank
+
+
+def test_two_ranks_read_fp8_blocks_with_their_scales(tmp_path, smollm_llm):
+    """An fp8 copy of the tiny V3 (16 x 16 blocks): each rank reads its slices of the weights and the matching rows
+    or columns of their scales; greedy tokens equal transformers' on the same weights dequantized."""
+    import transformers
+
+    from tests.tiny_checkpoints import make_deepseek_checkpoint, write_fp8_copies
+
+    make_deepseek_checkpoint(tmp_path / "bf16", smollm_llm, "v3-q-lora")
+    fp8, deq = write_fp8_copies(tmp_path / "bf16", tmp_path, smollm_llm.tokenizer.hf, block=16)
+    two_ranks_match(fp8, transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval())
+
+
+def test_two_ranks_with_mtp_drafts(tmp_path, smollm_llm):
+    from tests.tiny_checkpoints import make_mtp_checkpoint
+
+    hf, _ = make_mtp_checkpoint(tmp_path, smollm_llm)
+    llm = two_ranks_match(tmp_path, hf, speculative_method="mtp", num_speculative_tokens=2)
+    assert llm.engine.stats().spec_num_draft_tokens_total > 0
+
+
+def two_ranks_match(path, hf, **config) -> LLM:
+    """An LLM on 2 ranks whose greedy tokens equal transformers' (closed at the end of the test session)."""
     expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
-    llm = LLM(model=str(tmp_path), tensor_parallel_size=2, max_num_batched_tokens=24, **FP32)
+    llm = LLM(model=str(path), tensor_parallel_size=2, max_num_batched_tokens=24, **FP32, **config)
     try:
         assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == expected
-        c = hf.config
-        local_kv = max(1, c.num_key_value_heads // 2)
-        assert llm.engine.info.kv_bytes_per_token == c.num_hidden_layers * 2 * local_kv * 16 * 4  # this rank's heads
-        model = llm.engine.runner.model
-        assert model.lm_head.weight.shape[0] == -(-c.vocab_size // 2)  # one rank's vocabulary rows
     finally:
         llm.close()
+    return llm
 
 
-def test_sizes_that_do_not_split_are_config_errors(tmp_path, smollm_llm):
+def test_sizes_that_do_not_split_are_config_errors():
     with pytest.raises(ConfigError, match=r"attention heads \(9\) is not divisible by the tensor-parallel size 2"):
         LLM(tensor_parallel_size=2, **FP32)
-    from tests.tiny_checkpoints import make_tiny_checkpoint
-
-    make_tiny_checkpoint(tmp_path, smollm_llm, "v2-lite-like")
-    with pytest.raises(ConfigError, match="tensor parallelism is not built for DeepseekV2ForCausalLM"):
-        LLM(model=str(tmp_path), tensor_parallel_size=2, **FP32)
 
 
 def test_a_killed_rank_fails_the_engine_instead_of_hanging(tmp_path, smollm_llm):
@@ -87,3 +121,14 @@ def test_each_rank_reads_only_its_slices(tmp_path, smollm_llm):
     for name, tensor in checkpoint.weights(shard.get):
         dim, part = shard.get(name, (0, slice(None)))
         torch.testing.assert_close(tensor, whole[name][(slice(None),) * dim + (part,)], rtol=0, atol=0)
+
+
+def test_a_rank_that_cannot_load_names_itself(tmp_path, smollm_llm):
+    """fp8 blocks of 128 rows cannot split 96 query rows in two: rank 1's slice starts inside a block. Rank 0's
+    slice starts at 0 and loads; the engine reports rank 1's exit rather than a broken connection."""
+    from tests.tiny_checkpoints import make_deepseek_checkpoint, write_fp8_copies
+
+    make_deepseek_checkpoint(tmp_path / "bf16", smollm_llm, "v3-q-lora")
+    fp8, _ = write_fp8_copies(tmp_path / "bf16", tmp_path, smollm_llm.tokenizer.hf, block=128)
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 .* exited with code 1"):
+        LLM(model=str(fp8), tensor_parallel_size=2, **FP32)

@@ -58,6 +58,23 @@ def test_fused_moe_matches_reference(dtype, tokens, top_k):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+def test_other_ranks_experts_add_nothing():
+    """Expert parallelism: a rank holding experts [4, 8) of 8 sees ids - 4, the others as 4 (its E): their pairs are
+    skipped (their tiles get expert -1), and the result equals the whole MoE restricted to its experts."""
+    gen = torch.Generator().manual_seed(7)
+    w_gate_up, w_down = moe_weights(8, 48, 40, torch.float32, gen)
+    x = torch.randn(23, 40, generator=gen).to(DEVICE)
+    weights, ids = routing(23, 8, 3, gen)
+    mine = ids >= 4
+    want = fused_moe(x, w_gate_up, w_down, weights * mine, ids, backend="torch")  # others' weights zeroed
+    local = torch.where(mine, ids - 4, 4)
+    aligned = align_routing(local.cpu(), 4, block_m=16)
+    assert set(aligned.expert_ids.tolist()) <= {-1, 0, 1, 2, 3}
+    for backend in ("torch", "triton"):
+        got = fused_moe(x, w_gate_up[4:], w_down[4:], weights, local, backend=backend)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (29, 2), (16, 1)])
 def test_fp8_block_quantized_fused_moe_matches_reference(tokens, top_k):
     gen = torch.Generator().manual_seed(tokens)

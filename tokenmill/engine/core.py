@@ -73,7 +73,10 @@ class EngineCore:
             loaded = load_model_and_cache(checkpoint, self.model_config, config,
                                           self.ranks.tp if self.ranks else TensorParallel())
         except BaseException:
+            failed = self.ranks.failed_rank() if self.ranks else None  # a worker's own error: in its log
             self.close()
+            if failed is not None:
+                raise failed from None
             raise
         if loaded.device.type == "cpu" and self.ranks is None:  # tensor-parallel ranks run eagerly
             prepare_cpu(loaded.model, loaded.kv_cache, config)

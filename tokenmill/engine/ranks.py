@@ -50,6 +50,10 @@ def ranks_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfi
         tp_split(model_config.num_heads, size, "the attention heads")
         tp_split(model_config.intermediate_size, size, "the MLP width")
         model_config.local_kv_heads(size)
+        if model_config.moe:
+            tp_split(model_config.moe.num_experts, size, "the routed experts")
+            tp_split(model_config.moe.intermediate_size * model_config.moe.num_shared_experts, size,
+                     "the shared experts' width")
     except ValueError as exc:
         raise ConfigError(f"--tensor-parallel-size {size}: {exc}") from None
     device = rank_device(config, 0)
@@ -85,6 +89,18 @@ class WorkerRanks:
             if proc.poll() is not None:
                 raise RankFailedError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
                                       f"{proc.returncode}")
+
+    def failed_rank(self, wait: float = 2.0) -> RankFailedError | None:
+        """After a failed collective: the worker that exited (waiting up to ``wait`` s for it to), if any."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                self.check()
+            except RankFailedError as exc:
+                return exc
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
 
     def broadcast_step(self, out) -> None:
         """Send one step's SchedulerOutput to every worker (each runs it as rank 0 does)."""

@@ -114,7 +114,7 @@ def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, conf
         # Materialized on the device in the compute dtype; each checkpoint tensor is converted as it is copied in.
         model.cast_parameters(dtype).to_empty(device=device)
         model.rotary.to(device)
-        model.load_weights(checkpoint.weights(model.weight_shard if tp.size > 1 else None))
+        model.load_weights(checkpoint.weights(model.weight_shard))
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"cannot build the model from {checkpoint.path}: {exc}") from None
     model.eval()

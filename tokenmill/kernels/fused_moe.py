@@ -41,6 +41,8 @@ def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     intermediate = w_down.shape[-1]
     for expert in topk_ids.unique().tolist():
+        if expert >= w_gate_up.shape[0]:
+            continue  # another rank's expert
         token_idx, slot = (topk_ids == expert).nonzero(as_tuple=True)
         if fp8_scales is None:
             gate, up = F.linear(x[token_idx], w_gate_up[expert]).split(intermediate, dim=-1)
@@ -61,7 +63,8 @@ class AlignedRouting:
     every ``block_m`` rows of ``sorted_ids`` belong to one expert (one GEMM tile of one weight matrix).
 
     Computed without a device-to-host sync: the buffers have their worst-case size
-    (T*k + E*(block_m - 1) rows); tiles past the end have expert -1 and are skipped by the kernel.
+    (T*k + (E+1)*(block_m - 1) rows); tiles past the end have expert -1 and are skipped by the kernel, and so are the
+    tiles of pairs whose id is E (another rank's expert), sorted last.
     """
     sorted_ids: torch.Tensor  # [max_rows] int32: flat pair index t * k + j, or T * k (padding)
     expert_ids: torch.Tensor  # [max_rows / block_m] int32: the expert of each tile, -1 past the end
@@ -72,15 +75,16 @@ class AlignedRouting:
 def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRouting:
     flat = topk_ids.flatten().to(torch.int64)
     pairs = flat.numel()
-    # scatter_add, not bincount: bincount sizes its output from the data (a device-to-host sync on CUDA).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    # scatter_add, not bincount: bincount sizes its output from the data (a device-to-host sync on CUDA). Bucket E
+    # holds the pairs of other ranks' experts.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
     expert_of_sorted = flat[order]
     rank_in_expert = torch.arange(pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert_of_sorted]
-    max_rows = pairs + num_experts * (block_m - 1)
+    max_rows = pairs + (num_experts + 1) * (block_m - 1)
     max_rows = (max_rows + block_m - 1) // block_m * block_m
     sorted_ids = torch.full((max_rows,), pairs, dtype=torch.int32, device=flat.device)
     sorted_ids[(padded_end - padded)[expert_of_sorted] + rank_in_expert] = order.to(torch.int32)

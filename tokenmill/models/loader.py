@@ -1,10 +1,12 @@
 """Find a model and read its config and weights: a Hugging Face checkpoint directory or a GGUF file.
 
 Both paths yield the same thing: an HF-style config dict and (HF tensor name, tensor) pairs, so model code
-knows one naming scheme. A tensor-parallel rank passes ``shard`` (name -> (dim, slice) or None) and gets only its
-slice of each tensor: read lazily from safetensors (``get_slice``: only those bytes leave the file), cut right after
-dequantizing from GGUF; either way the host holds at most one tensor at a time. GGUF tensors are dequantized at load with the ``gguf`` package; llama.cpp's
+knows one naming scheme. GGUF tensors are dequantized at load with the ``gguf`` package; llama.cpp's
 rotary permutation of Q/K rows is undone so that GGUF and safetensors weights run the same code.
+
+A model passes ``shard`` (name -> (dim, slice), None, or SKIP) and gets only what it runs: a tensor-parallel rank
+its slice of each tensor, read lazily from safetensors (``get_slice``: only those bytes leave the file) or cut right
+after dequantizing from GGUF; nothing at all of the tensors it skips. The host holds at most one tensor at a time.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-# Checkpoint tensor name -> (dimension, slice) of it to load, or None for the whole tensor.
-Shard = Callable[[str], "tuple[int, slice] | None"]
+# Checkpoint tensor name -> (dimension, slice) of it to load, None for the whole tensor, or SKIP: not read at all.
+Shard = Callable[[str], "tuple[int, slice] | str | None"]
+SKIP = "skip"
 
 
 def _index(dim: int, part: slice) -> tuple[slice, ...]:
@@ -94,6 +97,8 @@ def _open_hf_dir(path: Path) -> Checkpoint:
                 with safe_open(str(file), framework="pt") as fh:
                     for name in fh.keys():
                         cut = shard(name) if shard else None
+                        if cut == SKIP:
+                            continue
                         yield name, fh.get_tensor(name) if cut is None else fh.get_slice(name)[_index(*cut)]
             except Exception as exc:  # safetensors raises its own error types for corrupt files
                 raise ModelLoadError(f"cannot read weights from {file}: {exc}") from None
@@ -197,6 +202,8 @@ def _open_gguf(path: Path, name: str) -> Checkpoint:
                 array = unpermute_rotary_rows(array, permute_heads[part])
             name = hf_name_for_gguf(tensor.name)
             cut = shard(name) if shard else None
+            if cut == SKIP:
+                continue
             if cut is not None:
                 array = array[_index(*cut)]
             yield name, torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy

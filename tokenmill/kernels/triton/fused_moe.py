@@ -134,7 +134,8 @@ def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
                   None, top_k, True, cfg, block)
         a, a_scale = (intermediate, None) if block is None else per_token_group_quant_fp8_triton(intermediate,
                                                                                                  block[1])
-        out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+        # zeros: the pairs of other ranks' experts (id E, expert parallelism) are skipped and must add nothing.
+        out = torch.zeros(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
         _moe_gemm(a, a_scale, w_down, None if block is None else fp8_scales.down, out, routing, pair_weights, 1,
                   False, cfg, block)
         return out.view(tokens, top_k, hidden).sum(1).to(x.dtype)

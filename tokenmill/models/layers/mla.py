@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.distributed.group import TensorParallel
 from tokenmill.kernels.attention_op import mla_attention_op
 from tokenmill.kernels.backend import KernelChoice
-from tokenmill.models.config import ModelConfig
+from tokenmill.models.config import ModelConfig, tp_split
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, yarn_mscale
 
@@ -24,11 +25,13 @@ from tokenmill.models.layers.rotary import RotaryEmbedding, yarn_mscale
 class MLAttention(nn.Module):
     kernels = KernelChoice()  # set per model by DecoderLM.use_kernels
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_index: int):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_index: int,
+                 tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.layer_index = layer_index  # which of the step's cache layers (kernels/attention_op.py) is this one's
         c = config.mla
-        hidden, self.heads = config.hidden_size, config.num_heads
+        # This rank's heads; the latent (q_a, kv_a and their norms) is whole on every rank.
+        hidden, self.heads = config.hidden_size, tp_split(config.num_heads, tp.size, "attention heads")
         self.rank, self.rope_dim = c.kv_lora_rank, c.qk_rope_head_dim
         self.nope_dim, self.v_dim = c.qk_nope_head_dim, c.v_head_dim
         qk_dim = self.nope_dim + self.rope_dim

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed.group import TensorParallel
 from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.fused_moe import Fp8BlockScales, fused_moe
-from tokenmill.models.config import MoEConfig
+from tokenmill.models.config import MoEConfig, tp_split
 from tokenmill.models.layers.mlp import SwiGLU
 
 
@@ -46,14 +47,18 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 class MoE(nn.Module):
     kernels = KernelChoice()  # set per model by DecoderLM.use_kernels
 
-    def __init__(self, hidden: int, c: MoEConfig, fp8_block: tuple[int, int] | None = None):
+    def __init__(self, hidden: int, c: MoEConfig, fp8_block: tuple[int, int] | None = None,
+                 tp: TensorParallel = TensorParallel()):
         """``fp8_block``: keep the routed experts in float8_e4m3fn with (bn x bk) block scales (DeepSeek-V3's
-        checkpoint format) and run them as fp8 GEMMs; None = experts in the compute dtype."""
+        checkpoint format) and run them as fp8 GEMMs; None = experts in the compute dtype. ``tp``: this rank holds
+        routed experts [first_expert, first_expert + E / size) whole (expert parallel) and its share of the shared
+        experts' width; the router is whole on every rank, so every rank routes every token the same way."""
         super().__init__()
         self.cfg = c
-        inter, experts = c.intermediate_size, c.num_experts
-        self.gate_weight = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
-        bias = torch.empty(experts) if self.cfg.topk_method == "noaux_tc" else None
+        inter, experts = c.intermediate_size, tp_split(c.num_experts, tp.size, "the routed experts")
+        self.first_expert, self.tp_size = tp.rank * experts, tp.size
+        self.gate_weight = nn.Parameter(torch.empty(c.num_experts, hidden), requires_grad=False)
+        bias = torch.empty(c.num_experts) if self.cfg.topk_method == "noaux_tc" else None
         self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         dtype = torch.float8_e4m3fn if fp8_block else None
         self.w_gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
@@ -66,11 +71,16 @@ class MoE(nn.Module):
             self.w_down_scale = nn.Parameter(torch.empty(experts, -(-hidden // bn), -(-inter // bk)),
                                              requires_grad=False)
         shared = c.num_shared_experts
-        self.shared_experts = SwiGLU(hidden, inter * shared) if shared else None
+        self.shared_experts = SwiGLU(hidden, tp_split(inter * shared, tp.size, "the shared experts' width")) \
+            if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
+        """x [T, H] -> [T, H] (this rank's part of it under tensor parallelism: the layer all-reduces)."""
         weights, ids = route(x, self.gate_weight, self.e_score_correction_bias, self.cfg)
+        if self.tp_size > 1:  # local expert indices; another rank's experts become E_local (fused_moe skips them)
+            local = self.w_gate_up.shape[0]
+            ids = ids - self.first_expert
+            ids = ids.masked_fill((ids < 0) | (ids >= local), local)
         scales = Fp8BlockScales(self.w_gate_up_scale, self.w_down_scale, self.fp8_block) if self.fp8_block else None
         out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids, scales, backend=self.kernels.backend,
                         tuner=self.kernels.moe_tuner)

@@ -33,3 +33,13 @@ class VocabParallelEmbedding(nn.Module):
     def shard(self, vocab_size: int) -> slice:
         """The checkpoint rows (token ids) this rank loads."""
         return slice(self.start, min(vocab_size, self.start + self.rows))
+
+
+def vocab_rows(dst: torch.Tensor, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The rows of ``dst`` (one rank's embedding or LM head) that the checkpoint rows ``tensor`` fill. Rows past them
+    (the last shard's padding: no token id maps there) are zeroed; also returns how many elements they hold."""
+    rows = tensor.shape[0]
+    if rows >= dst.shape[0]:
+        return dst, 0
+    dst[rows:].zero_()
+    return dst[:rows], dst[rows:].numel()

@@ -1,0 +1,156 @@
+"""Loading DeepSeek checkpoints: HF names -> parameters (dense, per-expert and fused expert layouts, the MTP layer),
+fp8 block-quantized weights, and each tensor-parallel rank's slice of every tensor (``weight_shard``)."""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.kernels.fp8 import dequantize_fp8_blocks
+from tokenmill.models.layers.vocab import vocab_rows
+from tokenmill.models.loader import SKIP
+
+# The routed experts' weights in the released per-expert layout (the one fp8 checkpoints use).
+_ROUTED_EXPERT_WEIGHT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+class DeepseekWeights:
+    """Mixed into DeepseekForCausalLM: reads its ``config``, ``tp``, ``mtp``, ``weight_block``, ``fp8_experts``."""
+
+    @property
+    def expert_offset(self) -> int:
+        """Global index of this rank's first routed expert (experts split whole across ranks)."""
+        moe = self.config.moe
+        return self.tp.rank * (moe.num_experts // self.tp.size) if moe else 0
+
+    def weight_shard(self, name: str):
+        """The (dimension, slice) of checkpoint tensor ``name`` this rank reads, None for all of it, SKIP for none
+        of it (another rank's experts; MTP weights nobody runs)."""
+        c, tp = self.config, self.tp
+        n = name.removeprefix("model.")
+        if (m := re.match(r"layers\.(\d+)\.", n)) and int(m.group(1)) >= c.num_layers and self._mtp_name(name) is None:
+            return SKIP
+        if tp.size == 1:
+            return None
+        if n.endswith("_scale_inv"):
+            return self._scale_shard(self.weight_shard(name.removesuffix("_scale_inv")))
+        if m := re.search(r"mlp\.experts\.(\d+)\.", n):
+            local = c.moe.num_experts // tp.size
+            return None if 0 <= int(m.group(1)) - self.expert_offset < local else SKIP
+        if re.search(r"mlp\.experts\.(gate_up|down)_proj$", n):
+            return 0, slice(*tp.span(c.moe.num_experts))
+        part, a, heads = n.split(".")[-2], c.mla, c.num_heads
+        if part in ("q_b_proj", "q_proj"):
+            return 0, slice(*tp.span(heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)))
+        if part == "kv_b_proj":
+            return 0, slice(*tp.span(heads * (a.qk_nope_head_dim + a.v_head_dim)))
+        if part == "o_proj":
+            return 1, slice(*tp.span(heads * a.v_head_dim))
+        if part in ("gate_proj", "up_proj", "down_proj"):
+            shared = "shared_experts" in n
+            width = c.moe.intermediate_size * c.moe.num_shared_experts if shared else c.intermediate_size
+            return int(part == "down_proj"), slice(*tp.span(width))
+        if n.endswith(("embed_tokens.weight", "lm_head.weight")):
+            return 0, self.embed_tokens.shard(c.vocab_size)
+        return None
+
+    def _scale_shard(self, weight_cut):
+        """The fp8 scales' slice matching a weight slice: whole blocks only."""
+        if weight_cut is None or weight_cut is SKIP:
+            return weight_cut
+        dim, part = weight_cut
+        block = self.weight_block[dim]
+        if part.start % block:
+            raise ValueError(f"a tensor-parallel slice starting at {part.start} cuts an fp8 block of {block}")
+        return dim, slice(part.start // block, -(-part.stop // block))
+
+    def _mtp_name(self, name: str) -> str | None:
+        """A checkpoint name of the first MTP layer -> the MTP module's; None for weights this model skips: further
+        MTP layers, the MTP layer when not drafting, and its copies of the embedding and LM head (shared)."""
+        m = re.fullmatch(r"(?:model\.)?layers\.(\d+)\.(.+)", name)
+        if self.mtp is None or int(m.group(1)) != self.config.num_layers:
+            return None
+        rest = m.group(2)
+        if rest.startswith("embed_tokens.") or rest.startswith("shared_head.head."):
+            return None
+        if rest.startswith(("enorm.", "hnorm.", "eh_proj.")):
+            return f"mtp.{rest}"
+        if rest.startswith("shared_head.norm."):
+            return f"mtp.norm.{rest.removeprefix('shared_head.norm.')}"
+        return f"mtp.block.{rest}"
+
+    def _target(self, name: str, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor, str]:
+        """HF name -> (destination view, canonical parameter name). Handles dense, per-expert and fused layouts."""
+        n = name.removeprefix("model.")
+        inter = self.config.moe.intermediate_size if self.config.moe else 0
+        if m := re.fullmatch(r"(.+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight", n):
+            prefix, expert, kind = m.group(1), int(m.group(2)) - self.expert_offset, m.group(3)
+            if kind == "down":
+                return params[f"{prefix}.w_down"].data[expert], f"{prefix}.w_down"
+            rows = slice(0, inter) if kind == "gate" else slice(inter, 2 * inter)
+            return params[f"{prefix}.w_gate_up"].data[expert, rows], f"{prefix}.w_gate_up"
+        if m := re.fullmatch(r"(.+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight_scale_inv", n):
+            prefix, expert, kind = m.group(1), int(m.group(2)) - self.expert_offset, m.group(3)
+            if kind == "down":
+                return params[f"{prefix}.w_down_scale"].data[expert], f"{prefix}.w_down_scale"
+            rows = inter // self.weight_block[0]  # whole blocks: fp8_experts requires it
+            rows = slice(0, rows) if kind == "gate" else slice(rows, 2 * rows)
+            return params[f"{prefix}.w_gate_up_scale"].data[expert, rows], f"{prefix}.w_gate_up_scale"
+        n = re.sub(r"mlp\.experts\.gate_up_proj$", "mlp.w_gate_up", n)
+        n = re.sub(r"mlp\.experts\.down_proj$", "mlp.w_down", n)
+        n = re.sub(r"mlp\.gate\.weight$", "mlp.gate_weight", n)
+        n = re.sub(r"mlp\.gate\.e_score_correction_bias$", "mlp.e_score_correction_bias", n)
+        if m := re.fullmatch(r"(.*mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight", n):
+            full = params[f"{m.group(1)}.gate_up_proj.weight"].data
+            half = full.shape[0] // 2
+            return (full[:half] if m.group(2) == "gate" else full[half:]), f"{m.group(1)}.gate_up_proj.weight"
+        if n not in params:
+            raise ValueError(f"unexpected weight {name!r} for DeepseekForCausalLM")
+        return params[n].data, n
+
+    def _dequantized(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """fp8 block-quantized checkpoints (DeepSeek-V3 style): each float8_e4m3fn ``W`` comes with
+        ``W_scale_inv`` [ceil(out / bo), ceil(in / bi)] and means ``W * scale_inv`` per (bo x bi) block. The CPU
+        path dequantizes here (so does every path for the weights outside the routed experts, and for the experts
+        unless ``fp8_experts``); tensors arrive in any order, so halves wait for each other."""
+        pending: dict[str, torch.Tensor] = {}
+        for name, tensor in weights:
+            is_scale = name.endswith(".weight_scale_inv")
+            if not is_scale and tensor.dtype != torch.float8_e4m3fn:
+                yield name, tensor
+                continue
+            base = name.removesuffix("_scale_inv")
+            other = pending.pop(base + ("" if is_scale else "_scale_inv"), None)
+            if other is None:
+                pending[name] = tensor
+                continue
+            weight, scale = (other, tensor) if is_scale else (tensor, other)
+            if self.fp8_experts and _ROUTED_EXPERT_WEIGHT.search(base):
+                yield base, weight
+                yield base + "_scale_inv", scale
+            else:
+                yield base, dequantize_fp8_blocks(weight, scale, self.weight_block)
+        if pending:
+            raise ValueError(f"fp8 weights without their scales (or scales without weights): {sorted(pending)[:3]}")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        layers = self.config.num_layers
+        for name, tensor in self._dequantized(weights):
+            if (m := re.search(r"layers\.(\d+)\.", name)) and int(m.group(1)) >= layers:
+                name = self._mtp_name(name)  # a multi-token-prediction layer
+                if name is None:
+                    continue
+            dst, canonical = self._target(name, params)
+            if canonical in ("embed_tokens.weight", "lm_head.weight"):
+                dst, padding = vocab_rows(dst, tensor)
+                filled[canonical] = filled.get(canonical, 0) + padding
+            if dst.shape != tensor.shape:
+                raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            filled[canonical] = filled.get(canonical, 0) + tensor.numel()
+        self.finish_loading(filled, self.config.tie_word_embeddings)
