@@ -52,18 +52,27 @@ def start_server(tmp_path, *args: str, ready_timeout: float = 120.0) -> LiveServ
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
     server = LiveServer(process, f"http://127.0.0.1:{port}/v1", log_path)
-    deadline = time.monotonic() + ready_timeout
+    try:
+        wait_ready(server.root, process, ready_timeout, server.log)
+    except RuntimeError:
+        stop_server(server)
+        raise
+    return server
+
+
+def wait_ready(root: str, process: subprocess.Popen, timeout: float, log) -> None:
+    """Until ``root``/ready answers 200; RuntimeError with ``log()`` if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log()}")
         try:
-            if httpx.get(server.root + "/ready", timeout=2).status_code == 200:
-                return server
+            if httpx.get(root + "/ready", timeout=2).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    stop_server(server)
-    raise RuntimeError(f"server not ready in {ready_timeout} s:\n{server.log()}")
+    raise RuntimeError(f"server not ready in {timeout} s:\n{log()}")
 
 
 def stop_server(server: LiveServer) -> None:

@@ -33,9 +33,14 @@ def _config(args: argparse.Namespace, fields: typing.Iterable[str]) -> EngineCon
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    config = _config(args, args.fields)
+    if config.rank:  # a multi-node launch (torchrun): only rank 0 serves
+        from tokenmill.engine.ranks import run_rank
+
+        return run_rank(config)
     from tokenmill.server.launch import serve
 
-    return serve(_config(args, args.fields))
+    return serve(config)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

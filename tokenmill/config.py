@@ -17,6 +17,9 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 ENV_PREFIX = "TOKENMILL_"
+# torchrun's (torch.distributed's) launch variables -> the fields they set.
+LAUNCH_ENV = {"RANK": "rank", "WORLD_SIZE": "world_size", "LOCAL_RANK": "local_rank", "MASTER_ADDR": "master_addr",
+              "MASTER_PORT": "master_port"}
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "ki": 2**10, "mi": 2**20, "gi": 2**30}
@@ -86,6 +89,15 @@ class EngineConfig(BaseSettings):
     tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split across (heads, MLP width, "
                                                           "vocabulary), one process each on this host: GPUs 0..N-1 "
                                                           "with NCCL, or the CPU cores shared out, with gloo")
+    # --- ranks on several nodes: torchrun sets these (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
+    rank: int | None = Field(None, ge=0, description="this process's rank in a multi-node launch (RANK): 0 serves, "
+                                                     "the others run their shards of the model")
+    world_size: int | None = Field(None, ge=1, description="ranks in a multi-node launch (WORLD_SIZE): the "
+                                                           "tensor-parallel size")
+    local_rank: int = Field(0, ge=0, description="this rank's GPU on its node (LOCAL_RANK)")
+    master_addr: str = Field("127.0.0.1", description="rank 0's host (MASTER_ADDR)")
+    master_port: int = Field(29500, ge=1, le=65534, description="torchrun's port on rank 0's host (MASTER_PORT); "
+                                                                "the ranks meet on the next port")
     # --- runtime
     seed: int = 0
     num_threads: int | None = Field(
@@ -136,6 +148,18 @@ class EngineConfig(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _check_launch(self) -> "EngineConfig":
+        if self.world_size is None or self.world_size == 1:
+            return self
+        if self.tensor_parallel_size not in (1, self.world_size):
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) differs from the launch's "
+                             f"world_size ({self.world_size})")
+        if self.rank is None or self.rank >= self.world_size:
+            raise ValueError(f"a launch of {self.world_size} ranks needs rank in 0..{self.world_size - 1}")
+        self.tensor_parallel_size = self.world_size
+        return self
+
+    @model_validator(mode="after")
     def _check_paths(self) -> "EngineConfig":
         if self.model is not None and not Path(self.model).exists():
             raise ValueError(f"model path does not exist: {self.model}")
@@ -179,9 +203,11 @@ def _format_errors(exc: ValidationError) -> str:
 def load_config(config_file: str | os.PathLike | None = None, **overrides: Any) -> EngineConfig:
     """Build the EngineConfig: overrides > TOKENMILL_* env > TOML file > defaults.
 
-    Overrides whose value is None are treated as "not given" (an unset CLI flag).
+    Overrides whose value is None are treated as "not given" (an unset CLI flag). A process that torchrun started
+    also takes its place in the launch from torchrun's variables (``LAUNCH_ENV``), below TOKENMILL_* ones.
     """
     values: dict[str, Any] = _read_toml(config_file) if config_file else {}
+    values.update({field: os.environ[var] for var, field in LAUNCH_ENV.items() if var in os.environ})
     values.update(EnvSettingsSource(EngineConfig)())
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:

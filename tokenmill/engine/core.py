@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.distributed.group import TensorParallel
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.messages import EngineInfo, EngineRequest, EngineStats, RequestOutput, StepOutputs
@@ -62,6 +62,9 @@ class EngineCore:
             keep_freed_memory_in_heap()
         checkpoint, self.tokenizer, self.model_config = open_model(config)
         self.ranks = None  # worker ranks 1..N-1 under tensor parallelism
+        if config.rank:
+            raise ConfigError(f"rank {config.rank} of a multi-node launch runs no engine core: start it with "
+                              f"`tokenmill serve`, which joins rank 0")
         if config.tensor_parallel_size > 1:
             config = ranks_config(config, self.model_config)
             self.ranks = WorkerRanks(config)

@@ -2,9 +2,13 @@
 
 The engine core is rank 0: it schedules, and before each step it broadcasts the step's ``SchedulerOutput`` (plain
 data) to ranks 1..N-1, which run the same model runner over their shards and report nothing (their sampled tokens are
-rank 0's: distributed/group.py). Ranks 1..N-1 are processes of their own (``python -m tokenmill.engine.ranks``),
-started by the engine core with the configuration on stdin and joined over a TCP store on this host; rank r runs on
-cuda:r, or on the CPU with gloo.
+rank 0's: distributed/group.py). Ranks 1..N-1 are processes of their own, joined over a TCP store that rank 0 hosts;
+once joined, rank 0 broadcasts the configuration every rank runs under (``ranks_config``). Two launches:
+- one node (``--tensor-parallel-size N``): the engine core starts ranks 1..N-1 (``python -m tokenmill.engine.ranks``)
+  on this host; rank r runs on cuda:r, or on the CPU with gloo;
+- several nodes: torchrun (or RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set by hand) starts
+  ``tokenmill serve`` once per rank; rank 0 serves and hosts the store on MASTER_PORT + 1 (torchrun's own store holds
+  MASTER_PORT), the others run ``run_rank``; a rank runs on cuda:LOCAL_RANK.
 
 Failure: rank 0 checks its workers before every step, and a collective with a dead peer fails at once (the closed
 connection), so a rank that dies makes the engine's step raise -- the engine then stops, its requests get errors,
@@ -14,7 +18,6 @@ its parent process is.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -27,6 +30,7 @@ import torch.distributed as dist
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.distributed.group import TIMEOUT, TensorParallel
+from tokenmill.logs import configure_logging
 from tokenmill.engine.worker import dtype_name, resolve_dtype
 from tokenmill.models.base import DecoderLM
 from tokenmill.models.config import ModelConfig, tp_split
@@ -63,25 +67,30 @@ def ranks_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfi
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if config.resolved_device() == "cuda" else torch.device("cpu")
+    """cuda:LOCAL_RANK in a multi-node launch, cuda:rank on one node; the CPU without CUDA."""
+    if config.resolved_device() != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", config.local_rank if config.world_size else rank)
 
 
 class WorkerRanks:
-    """Ranks 1..N-1 as child processes of the engine core, which joins the group as rank 0."""
+    """Ranks 1..N-1 -- child processes of the engine core on one node, or torchrun's elsewhere -- joined with the
+    engine core as rank 0; they receive ``config`` (settled by ``ranks_config``) once joined."""
 
     def __init__(self, config: EngineConfig):
         size = config.tensor_parallel_size
-        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
-        payload = config.model_dump_json()
         self.procs: list[subprocess.Popen] = []
-        for rank in range(1, size):
-            proc = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.ranks", str(rank), str(size),
-                                     str(store.port), str(os.getpid())], stdin=subprocess.PIPE)
-            proc.stdin.write(payload.encode())
-            proc.stdin.close()
-            self.procs.append(proc)
-        log.info("tensor parallel: %d ranks, workers pid %s", size, ", ".join(str(p.pid) for p in self.procs))
+        if config.world_size:  # torchrun started the others; they meet on the port after its own
+            store = dist.TCPStore("0.0.0.0", config.master_port + 1, size, is_master=True, timeout=TIMEOUT,
+                                  wait_for_workers=False)
+            log.info("tensor parallel: %d ranks, waiting for ranks 1..%d on port %d", size, size - 1, store.port)
+        else:
+            store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+            self.procs = [subprocess.Popen([sys.executable, "-m", "tokenmill.engine.ranks", str(rank), str(size),
+                                            "127.0.0.1", str(store.port), str(os.getpid())]) for rank in range(1, size)]
+            log.info("tensor parallel: %d ranks, workers pid %s", size, ", ".join(str(p.pid) for p in self.procs))
         self.tp = TensorParallel.join(store, 0, size, rank_device(config, 0))
+        self.tp.broadcast_object(config.model_dump())
         self._store = store  # the workers' rendezvous and the group's: kept alive with the group
 
     def check(self) -> None:
@@ -135,16 +144,20 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="tokenmill-parent-watch", daemon=True).start()
 
 
-def worker_main(rank: int, size: int, port: int, parent_pid: int) -> int:
-    """Rank ``rank`` >= 1: join, load this rank's shard, then run every step rank 0 broadcasts until None."""
+def worker_main(rank: int, size: int, host: str, port: int, local_rank: int | None = None) -> int:
+    """Rank ``rank`` >= 1: join, take rank 0's configuration, load this rank's shard, then run every step rank 0
+    broadcasts until None. ``local_rank``: its GPU in a multi-node launch."""
     from tokenmill.engine.core import build_rank_runner
-    from tokenmill.logs import configure_logging
 
-    config = EngineConfig(**json.loads(sys.stdin.read()))
+    store = dist.TCPStore(host, port, size, is_master=False, timeout=TIMEOUT)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank if local_rank is None else local_rank) if cuda else torch.device("cpu")
+    tp = TensorParallel.join(store, rank, size, device)
+    settled = tp.broadcast_object()
+    if local_rank is not None:
+        settled.update(rank=rank, local_rank=local_rank)
+    config = EngineConfig(**settled)
     configure_logging(config.log_json)
-    _exit_with_parent(parent_pid)
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=TIMEOUT)
-    tp = TensorParallel.join(store, rank, size, rank_device(config, rank))
     runner = build_rank_runner(config, tp)
     try:
         while (out := tp.broadcast_object()) is not None:
@@ -155,5 +168,15 @@ def worker_main(rank: int, size: int, port: int, parent_pid: int) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(worker_main(*(int(a) for a in sys.argv[1:5])))
+def run_rank(config: EngineConfig) -> int:
+    """``tokenmill serve`` on a rank other than 0 of a multi-node launch: run this rank's shard."""
+    configure_logging(config.log_json)
+    log.info("rank %d of %d: joining rank 0 at %s:%d", config.rank, config.world_size, config.master_addr,
+             config.master_port + 1)
+    return worker_main(config.rank, config.world_size, config.master_addr, config.master_port + 1, config.local_rank)
+
+
+if __name__ == "__main__":  # a rank started by the engine core on this node
+    rank_arg, size_arg, host_arg, port_arg, parent_arg = sys.argv[1:6]
+    _exit_with_parent(int(parent_arg))
+    sys.exit(worker_main(int(rank_arg), int(size_arg), host_arg, int(port_arg)))
