@@ -132,3 +132,46 @@ def test_a_rank_that_cannot_load_names_itself(tmp_path, smollm_llm):
     fp8, _ = write_fp8_copies(tmp_path / "bf16", tmp_path, smollm_llm.tokenizer.hf, block=128)
     with pytest.raises(RuntimeError, match="tensor-parallel rank 1 .* exited with code 1"):
         LLM(model=str(fp8), tensor_parallel_size=2, **FP32)
+
+
+PEAK_PROBE = r"""
+import sys, threading, time
+from tokenmill.models.loader import open_checkpoint
+
+def rss():  # resident memory, anonymous and file-backed: safetensors may hand out views of its memory map
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+
+peak, done = [0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.001)
+
+checkpoint = open_checkpoint(sys.argv[1])
+shard = {"half": lambda name: (0, slice(0, 4096)), "whole": None}[sys.argv[2]]
+base = rss()
+threading.Thread(target=sample, daemon=True).start()
+for name, tensor in checkpoint.weights(shard):
+    tensor.sum()  # read, as a model's copy_ reads it (views of the file's memory map fault in only then)
+    time.sleep(0.2)
+    del tensor
+done.set()
+print(peak[0] - base)
+"""
+
+
+def test_a_rank_holds_only_its_slice_of_a_tensor_while_loading(tmp_path):
+    """The loader's peak host memory on a sharded checkpoint: reading half the rows of a 128 MiB tensor grows the
+    process by about 64 MiB (the slice, plus a few MiB), reading it whole by about 128 MiB."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    save_file({"big.weight": torch.randn(8192, 4096)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    growth = {kind: int(subprocess.run([sys.executable, "-c", PEAK_PROBE, str(tmp_path), kind], check=True,
+                                       capture_output=True, text=True).stdout) for kind in ("half", "whole")}
+    mib = 2 ** 20
+    assert growth["whole"] > 120 * mib and 60 * mib < growth["half"] < 0.6 * growth["whole"], growth

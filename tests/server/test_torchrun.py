@@ -1,5 +1,6 @@
 """A multi-node launch on one machine: torchrun starts `tokenmill serve` twice (RANK 0 and 1, MASTER_ADDR/PORT); rank
-0 serves the API and rank 1 joins it over the port after torchrun's. The served greedy answer equals one rank's."""
+0 serves the API and rank 1 joins it over the port after torchrun's. The model is a tiny DeepSeek-V3 (MLA heads and
+routed experts split over the two ranks); the served greedy answer equals one rank's."""
 
 import signal
 import subprocess
@@ -8,12 +9,12 @@ import sys
 import httpx
 
 from tests.live_server import free_port, wait_ready
-from tests.tiny_checkpoints import make_llama_checkpoint
+from tests.tiny_checkpoints import make_deepseek_checkpoint
 from tokenmill import LLM, SamplingParams
 
 
-def test_torchrun_launch_serves_with_two_ranks(tmp_path, smollm_llm):
-    make_llama_checkpoint(tmp_path, smollm_llm)
+def test_torchrun_launch_serves_deepseek_on_two_ranks(tmp_path, smollm_llm):
+    make_deepseek_checkpoint(tmp_path, smollm_llm, "v3-q-lora")
     prompt, max_tokens = [100, 101, 102, 103, 104], 12
     one = LLM(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="8MiB")
     want = one.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].text
