@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import sys
 import time
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU + TRITON_INTERPRET=1 works)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", help="also write the rows (and the device) to this JSON file")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
@@ -235,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
             if fp8:
                 bench_fused_moe(table, time_fn, v3, batch, dtype, device, fp8=True)
     print(f"\n{table.markdown()}\n\ntotal {time.perf_counter() - start:.0f} s")
+    if args.json:
+        header, rows = table.rows[0], table.rows[1:]
+        with open(args.json, "w") as fh:
+            json.dump({"command": "python benchmarks/kernels.py" + (" --smoke" if args.smoke else ""), "device": name,
+                       "peaks_bf16_tflops_fp8_tflops_tbs": peaks, "rows": [dict(zip(header, r)) for r in rows]},
+                      fh, indent=2)
     return 0
 
 

@@ -39,6 +39,26 @@ def test_write_kv_matches_reference_bit_for_bit(kv_dtype, new_dtype):
         assert torch.equal(batch.scales.view(torch.int32), want_scales.view(torch.int32))
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp32"])
+def test_negative_slots_write_nothing(kv_dtype):
+    """CUDA-graph padding rows carry slot -1: both paths skip them and write the other rows as usual."""
+    batch = on_device(paged_batch(SHAPES, 4, 2, 24, kv_dtype, block_size=4, q_dtype=torch.float32))
+    slots = batch.meta.slot_mapping.clone()
+    slots[::3] = -1
+    before = batch.data.clone()
+    results = []
+    for backend in ("torch", "triton"):
+        data, scales = before.clone(), None if batch.scales is None else batch.scales.clone()
+        write_kv(data, scales, batch.new_kv, slots, backend=backend)
+        results.append(data)
+    assert torch.equal(results[0].view(torch.uint8), results[1].view(torch.uint8))
+    written = results[0].view(-1, *before.shape[2:])
+    untouched = before.view(-1, *before.shape[2:])
+    kept = batch.meta.slot_mapping[::3]  # the rows set to -1 keep the cache's old contents at their slots
+    assert torch.equal(written[kept].view(torch.uint8), untouched[kept].view(torch.uint8))
+    assert not torch.equal(results[0].view(torch.uint8), before.view(torch.uint8))
+
+
 @pytest.mark.parametrize("kv_dtype,q_dtype", [("fp8", torch.float32), ("fp8", torch.float16),
                                               ("fp16", torch.float16), ("bf16", torch.float32),
                                               ("fp32", torch.float32)])

@@ -14,6 +14,7 @@ import torch
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.distributed.group import TensorParallel
+from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.messages import EngineInfo, EngineRequest, EngineStats, RequestOutput, StepOutputs
 from tokenmill.engine.runner import ModelRunner
@@ -45,8 +46,14 @@ def open_model(config: EngineConfig) -> tuple[Checkpoint, Tokenizer, ModelConfig
 
 def make_runner(config: EngineConfig, loaded: LoadedModel, model_config: ModelConfig) -> ModelRunner:
     drafter = MTPDrafter(config.num_speculative_tokens) if config.speculative_method == "mtp" else None
+    graphs = None
+    # CUDA graphs: one GPU, the Triton kernels (the PyTorch references sync the host), not --enforce-eager.
+    if loaded.device.type == "cuda" and loaded.kernel_backend == "triton" and not config.enforce_eager \
+            and config.tensor_parallel_size == 1:
+        graphs = DecodeGraphs(loaded.model, loaded.kv_cache, config.max_num_seqs, loaded.max_model_len)
+        graphs.capture()
     return ModelRunner(loaded.model, loaded.kv_cache, loaded.device, config.max_num_seqs, loaded.max_model_len,
-                       model_config.eos_token_ids, config.seed, drafter)
+                       model_config.eos_token_ids, config.seed, drafter, graphs)
 
 
 def build_rank_runner(config: EngineConfig, tp: TensorParallel) -> ModelRunner:

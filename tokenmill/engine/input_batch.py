@@ -43,7 +43,7 @@ class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, null_block: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], device: torch.device):
         self.max_num_reqs, self.block_size, self.vocab_size = max_num_reqs, block_size, vocab_size
-        self.null_block, self.device = null_block, device
+        self.null_block, self.device = null_block, torch.device(device)
         self.eos_token_ids = np.array(eos_token_ids, dtype=np.int64)
         self.row_of: dict[str, int] = {}
         self._request_ids: list[str | None] = [None] * max_num_reqs
@@ -162,13 +162,18 @@ class InputBatch:
         num_samples = self.num_drafts[sample_rows] + 1
         offsets = np.arange(num_samples.sum()) - np.repeat(np.cumsum(num_samples) - num_samples, num_samples)
         last = cu[samples] - 1  # each sampling row's last token; its drafts' positions come before
-        to = dict(device=self.device)
         return StepInputs(
-            input_ids=torch.from_numpy(self.token_ids[token_rows, positions].astype(np.int64)).to(**to),
-            positions=torch.from_numpy(positions).to(**to), attention=attention, sample_rows=sample_rows,
+            input_ids=self._to_device(self.token_ids[token_rows, positions].astype(np.int64)),
+            positions=self._to_device(positions), attention=attention, sample_rows=sample_rows,
             num_samples=num_samples, position_rows=np.repeat(sample_rows, num_samples), position_offsets=offsets,
-            logits_indices=torch.from_numpy(np.repeat(last - num_samples + 1, num_samples) + offsets).to(**to),
+            logits_indices=self._to_device(np.repeat(last - num_samples + 1, num_samples) + offsets),
             token_rows=token_rows, token_positions=positions, last_indices=last)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A fresh host array on the batch's device; on CUDA through pinned memory (torch's caching host allocator),
+        copied without blocking the host: the step's inputs travel while it prepares the rest."""
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else tensor
 
     def attention(self, rows: np.ndarray, counts: np.ndarray, starts: np.ndarray
                   ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
@@ -181,10 +186,9 @@ class InputBatch:
         slot_mapping = self.block_table[token_rows, positions // self.block_size] * self.block_size \
             + positions % self.block_size
         width = int(self.num_blocks[rows].max())
-        to = dict(device=self.device)
         attention = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(**to), query_start_loc=[0, *cu.tolist()],
-            seq_lens=ends.tolist(), block_tables=torch.from_numpy(self.block_table[rows, :width]).to(**to),
+            slot_mapping=self._to_device(slot_mapping), query_start_loc=[0, *cu.tolist()],
+            seq_lens=ends.tolist(), block_tables=self._to_device(self.block_table[rows, :width]),
             block_size=self.block_size, decode_indices=np.flatnonzero(counts == 1).tolist(),
             prefill_indices=np.flatnonzero(counts > 1).tolist())
         return attention, token_rows, positions
@@ -202,8 +206,7 @@ class InputBatch:
         each of its positions (offset j = row j of its bitmask)."""
         offsets = np.zeros(len(rows), dtype=np.int64) if offsets is None else offsets
         num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows] + offsets
-        def t(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(values).to(self.device)
+        t = self._to_device
         temperature = self.temperature[rows]
         random = np.flatnonzero(temperature > 0)
         m = SamplingMetadata(temperature=t(temperature), random_rows=t(random) if len(random) else None)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.input_batch import InputBatch, StepInputs
 from tokenmill.engine.messages import TokenLogprobs
 from tokenmill.kvcache.cache import KVCache
@@ -32,9 +33,11 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str, max_num_seqs: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...], seed: int = 0, drafter=None):
+                 max_model_len: int, eos_token_ids: tuple[int, ...], seed: int = 0, drafter=None,
+                 graphs: DecodeGraphs | None = None):
         self.model = model
         self.drafter = drafter  # speculative/mtp.py's MTPDrafter, or None
+        self.graphs = graphs  # pure decode steps replay CUDA graphs (engine/cuda_graphs.py)
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.batch = InputBatch(max_num_seqs, max_model_len, kv_cache.spec.block_size, kv_cache.null_block,
@@ -56,7 +59,9 @@ class ModelRunner:
             return RunnerOutput()
         self.batch.set_drafts(out.spec_token_ids)
         inputs = self.batch.prepare(out.num_scheduled_tokens)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache)
+        hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attention) if self.graphs else None
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache)
         result, kept = self._sample(inputs, hidden, out) if len(inputs.sample_rows) else (RunnerOutput(), [])
         if self.drafter is not None:  # also when nothing sampled: the drafter's cache must see every position
             drafts = self.drafter.propose(self.model, self.kv_cache, self.batch, inputs, hidden, kept)

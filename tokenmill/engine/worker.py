@@ -30,6 +30,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
+    kernel_backend: str = "torch"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -133,4 +134,4 @@ def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, conf
         log.warning("max_model_len lowered to %d: the KV cache holds no more", capacity)
     if num_blocks < 1:
         raise ConfigError("kv_cache_memory is too small for a single KV block")
-    return LoadedModel(model, KVCache(spec, num_blocks, device), device, dtype, max_model_len)
+    return LoadedModel(model, KVCache(spec, num_blocks, device), device, dtype, max_model_len, kernels.backend)

@@ -43,9 +43,13 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dty
 
 def write_kv_reference(data: torch.Tensor, scales: torch.Tensor | None, new: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
-    """Scatter ``new`` [T, num_slots, slot_dim] into the cache at flat slots ``slot_mapping`` [T]."""
+    """Scatter ``new`` [T, num_slots, slot_dim] into the cache at flat slots ``slot_mapping`` [T]; a negative slot
+    (a padding row of a CUDA-graph batch) writes nothing."""
     num_slots, slot_dim = data.shape[-2:]
     flat = data.view(-1, num_slots, slot_dim)
+    if (slot_mapping < 0).any():
+        keep = slot_mapping >= 0
+        new, slot_mapping = new[keep], slot_mapping[keep]
     if scales is None:
         flat[slot_mapping] = new.to(data.dtype)
         return

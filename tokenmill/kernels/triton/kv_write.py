@@ -3,7 +3,7 @@
 Same contract as ``kernels.kv_write.write_kv_reference``: ``new [T, S, D]`` goes to flat slots
 ``slot_mapping [T]`` of ``data[num_blocks + 1, block_size, S, D]``; for an fp8 cache each vector gets the scale
 amax / 448 (at least 1e-12), stored in ``scales[..., S]`` float32, and the stored value is round(x / scale).
-One program per (token, slot).
+A negative slot (a padding row of a CUDA-graph batch) writes nothing. One program per (token, slot).
 """
 
 from __future__ import annotations
@@ -26,18 +26,20 @@ def _write_kv_kernel(new_ptr, slot_ptr, data_ptr, scale_ptr,
     offs = tl.arange(0, BLOCK_D)
     mask = offs < DIM
     x = tl.load(new_ptr + token * new_stride_t + slot_index * new_stride_s + offs, mask=mask, other=0.0)
-    dest = tl.load(slot_ptr + token).to(tl.int64) * NUM_SLOTS + slot_index  # flat (slot, cache-slot) row
-    if FP8:
-        x = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_C, MIN_SCALE_C)
-        y = x / scale
-        if FP8_BITS:  # data_ptr is a uint8 view (interpreter)
-            tl.store(data_ptr + dest * DIM + offs, fp8_e4m3_bits(y), mask=mask)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        dest = slot * NUM_SLOTS + slot_index  # flat (slot, cache-slot) row
+        if FP8:
+            x = x.to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_C, MIN_SCALE_C)
+            y = x / scale
+            if FP8_BITS:  # data_ptr is a uint8 view (interpreter)
+                tl.store(data_ptr + dest * DIM + offs, fp8_e4m3_bits(y), mask=mask)
+            else:
+                tl.store(data_ptr + dest * DIM + offs, y.to(data_ptr.dtype.element_ty), mask=mask)
+            tl.store(scale_ptr + dest, scale)
         else:
-            tl.store(data_ptr + dest * DIM + offs, y.to(data_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + dest, scale)
-    else:
-        tl.store(data_ptr + dest * DIM + offs, x.to(data_ptr.dtype.element_ty), mask=mask)
+            tl.store(data_ptr + dest * DIM + offs, x.to(data_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_triton(data: torch.Tensor, scales: torch.Tensor | None, new: torch.Tensor,

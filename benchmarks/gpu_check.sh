@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU check of issue 12 (item 5), in one go, sized for under 8 minutes on one H100/H200:
+#   1. the kernel tests natively (TRITON_INTERPRET=0: the bf16/fp8 tl.dot paths and native fp8 casts run for real);
+#   2. the engine end to end on CUDA (benchmarks/gpu_engine_check.py): greedy tokens of a SmolLM2-shaped Llama and a
+#      tiny DeepSeek-V3 on the Triton kernels equal the CPU reference path's (fp32), CUDA-graph decode equal to eager,
+#      and decode tokens/s with and without graphs;
+#   3. benchmarks/kernels.py: GB/s, TFLOP/s and % of peak for the KV write, paged attention, MLA decode and fused MoE
+#      at SmolLM2 and DeepSeek-V3 shapes, batch 1-256.
+# Before it, here: `bash benchmarks/gpu_wheels.sh` (what the GPU machine lacks). Then, through the device tool:
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".gpu"], timeout_s=540)
+# Everything lands in $OUT (the device tool's folder; benchmarks/results/gpu elsewhere). Exit 1 if a step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+TOKENIZER=()
+[ -d .gpu/tokenizer ] && TOKENIZER=(--tokenizer .gpu/tokenizer)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+status=0
+timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/kernels 2>&1 | tail -40 > "$OUT/kernel-tests.txt" \
+    || status=1
+cat "$OUT/kernel-tests.txt" | tail -5
+timeout 180 python3 benchmarks/gpu_engine_check.py --out "$OUT/engine.json" "${TOKENIZER[@]}" || status=1
+timeout 120 python3 benchmarks/kernels.py --json "$OUT/kernels.json" --reps 5 > "$OUT/kernels.txt" 2>&1 || status=1
+tail -5 "$OUT/kernels.txt"
+exit $status
