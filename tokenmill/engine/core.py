@@ -84,7 +84,8 @@ class EngineCore:
                                           self.ranks.tp if self.ranks else TensorParallel())
         except BaseException:
             failed = self.ranks.failed_rank() if self.ranks else None  # a worker's own error: in its log
-            self.close()
+            if self.ranks is not None:
+                self.ranks.close(graceful=False)
             if failed is not None:
                 raise failed from None
             raise

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.distributed.group import TIMEOUT, TensorParallel
-from tokenmill.logs import configure_logging
 from tokenmill.engine.worker import dtype_name, resolve_dtype
+from tokenmill.logs import configure_logging
 from tokenmill.models.base import DecoderLM
 from tokenmill.models.config import ModelConfig, tp_split
 from tokenmill.models.registry import model_class_for
@@ -87,11 +87,13 @@ class WorkerRanks:
         else:
             store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
             self.procs = [subprocess.Popen([sys.executable, "-m", "tokenmill.engine.ranks", str(rank), str(size),
-                                            "127.0.0.1", str(store.port), str(os.getpid())]) for rank in range(1, size)]
+                                            "127.0.0.1", str(store.port), str(rank_device(config, rank)),
+                                            str(os.getpid())]) for rank in range(1, size)]
             log.info("tensor parallel: %d ranks, workers pid %s", size, ", ".join(str(p.pid) for p in self.procs))
         self.tp = TensorParallel.join(store, 0, size, rank_device(config, 0))
         self.tp.broadcast_object(config.model_dump())
         self._store = store  # the workers' rendezvous and the group's: kept alive with the group
+        self._closed = False
 
     def check(self) -> None:
         for rank, proc in enumerate(self.procs, start=1):
@@ -119,14 +121,19 @@ class WorkerRanks:
         except RuntimeError as exc:
             raise RankFailedError(f"a tensor-parallel rank failed: {exc}") from None
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Tell the workers to stop (if they can still hear), then make sure they have. Idempotent."""
-        if all(p.poll() is not None for p in self.procs):
+    def close(self, timeout: float = 10.0, graceful: bool = True) -> None:
+        """Tell the workers to stop (if they can still hear), then make sure the ones started here have. Idempotent.
+        ``graceful=False`` (start-up failed: a worker may be in another collective) kills them without a word."""
+        if self._closed:
             return
-        try:
-            self.tp.broadcast_object(None)
-        except RuntimeError:
-            pass  # a rank is gone: the others see the broken group and exit, or are killed below
+        self._closed = True
+        if not graceful:
+            timeout = 0.0
+        else:
+            try:
+                self.tp.broadcast_object(None)
+            except RuntimeError:
+                pass  # a rank is gone: the others see the broken group and exit, or are killed below
         deadline = time.monotonic() + timeout
         for proc in self.procs:
             try:
@@ -144,14 +151,13 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="tokenmill-parent-watch", daemon=True).start()
 
 
-def worker_main(rank: int, size: int, host: str, port: int, local_rank: int | None = None) -> int:
-    """Rank ``rank`` >= 1: join, take rank 0's configuration, load this rank's shard, then run every step rank 0
-    broadcasts until None. ``local_rank``: its GPU in a multi-node launch."""
+def worker_main(rank: int, size: int, host: str, port: int, device: torch.device,
+                local_rank: int | None = None) -> int:
+    """Rank ``rank`` >= 1 on ``device``: join, take rank 0's configuration, load this rank's shard, then run every step
+    rank 0 broadcasts until None. ``local_rank``: set in a multi-node launch (the rest of the config is rank 0's)."""
     from tokenmill.engine.core import build_rank_runner
 
     store = dist.TCPStore(host, port, size, is_master=False, timeout=TIMEOUT)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank if local_rank is None else local_rank) if cuda else torch.device("cpu")
     tp = TensorParallel.join(store, rank, size, device)
     settled = tp.broadcast_object()
     if local_rank is not None:
@@ -173,10 +179,11 @@ def run_rank(config: EngineConfig) -> int:
     configure_logging(config.log_json)
     log.info("rank %d of %d: joining rank 0 at %s:%d", config.rank, config.world_size, config.master_addr,
              config.master_port + 1)
-    return worker_main(config.rank, config.world_size, config.master_addr, config.master_port + 1, config.local_rank)
+    return worker_main(config.rank, config.world_size, config.master_addr, config.master_port + 1,
+                       rank_device(config, config.rank), config.local_rank)
 
 
 if __name__ == "__main__":  # a rank started by the engine core on this node
-    rank_arg, size_arg, host_arg, port_arg, parent_arg = sys.argv[1:6]
+    rank_arg, size_arg, host_arg, port_arg, device_arg, parent_arg = sys.argv[1:7]
     _exit_with_parent(int(parent_arg))
-    sys.exit(worker_main(int(rank_arg), int(size_arg), host_arg, int(port_arg)))
+    sys.exit(worker_main(int(rank_arg), int(size_arg), host_arg, int(port_arg), torch.device(device_arg)))

@@ -30,9 +30,9 @@ def _write_kv_kernel(new_ptr, slot_ptr, data_ptr, scale_ptr,
     if slot >= 0:
         dest = slot * NUM_SLOTS + slot_index  # flat (slot, cache-slot) row
         if FP8:
-            x = x.to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_C, MIN_SCALE_C)
-            y = x / scale
+            xf = x.to(tl.float32)  # a new name: a branch may not retype a variable
+            scale = tl.maximum(tl.max(tl.abs(xf), axis=0) / FP8_MAX_C, MIN_SCALE_C)
+            y = xf / scale
             if FP8_BITS:  # data_ptr is a uint8 view (interpreter)
                 tl.store(data_ptr + dest * DIM + offs, fp8_e4m3_bits(y), mask=mask)
             else:
