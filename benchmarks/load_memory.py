@@ -102,8 +102,9 @@ def main() -> None:
         for rank, peak in sorted(level["peaks"].items(), key=lambda kv: int(kv[0])):
             weights = level["rank0_param_bytes"]  # ranks hold equal shards
             anon = peak["RssAnon"] - before["RssAnon"]  # workers start from the same imports as rank 0
-            print(f"| {tp} | {rank} | {weights / MiB:.0f} MiB | {anon / MiB:.0f} MiB | {(anon - weights) / MiB:.0f} MiB |"
-                  f" {peak['RssFile'] / MiB:.0f} MiB |")
+            cells = [str(tp), rank, f"{weights / MiB:.0f} MiB", f"{anon / MiB:.0f} MiB",
+                     f"{(anon - weights) / MiB:.0f} MiB", f"{peak['RssFile'] / MiB:.0f} MiB"]
+            print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

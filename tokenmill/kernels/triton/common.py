@@ -20,9 +20,13 @@ def next_pow2(n: int) -> int:
 @triton.jit
 def dot(a, b, acc, F32: tl.constexpr):
     """acc + a @ b. F32 upcasts the operands first: the interpreter's bf16 ``tl.dot`` gives garbage (triton 3.9),
-    so every kernel passes ``F32=interpreting(kernel)``; on a GPU the operands stay 16-bit/fp8 for tensor cores."""
+    so every kernel passes ``F32=interpreting(kernel)``; on a GPU the operands stay 16-bit/fp8 for tensor cores, and
+    float32 operands multiply in IEEE float32, not TF32 (float32 is the reference precision: its results must match
+    the CPU path's, as the kernel tests and benchmarks/gpu_engine_check.py require)."""
     if F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    elif a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
 

@@ -21,8 +21,8 @@ def _group_quant_kernel(x_ptr, q_ptr, scale_ptr, stride_x, COLS: tl.constexpr, G
     cols = group * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (cols < COLS)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_C, MIN_SCALE_C)
-    y = x / scale
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX_C), MIN_SCALE_C)
+    y = tl.math.div_rn(x, scale)  # IEEE division (``/`` is approximate on GPUs): bit-equal to the reference
     if FP8_BITS:  # q_ptr is a uint8 view (interpreter; see common.fp8_e4m3_bits)
         tl.store(q_ptr + row * COLS + cols, fp8_e4m3_bits(y), mask=mask)
     else:

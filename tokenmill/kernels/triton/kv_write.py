@@ -31,8 +31,8 @@ def _write_kv_kernel(new_ptr, slot_ptr, data_ptr, scale_ptr,
         dest = slot * NUM_SLOTS + slot_index  # flat (slot, cache-slot) row
         if FP8:
             xf = x.to(tl.float32)  # a new name: a branch may not retype a variable
-            scale = tl.maximum(tl.max(tl.abs(xf), axis=0) / FP8_MAX_C, MIN_SCALE_C)
-            y = xf / scale
+            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(xf), axis=0), FP8_MAX_C), MIN_SCALE_C)
+            y = tl.math.div_rn(xf, scale)  # IEEE division (``/`` is approximate on GPUs): bit-equal to the reference
             if FP8_BITS:  # data_ptr is a uint8 view (interpreter)
                 tl.store(data_ptr + dest * DIM + offs, fp8_e4m3_bits(y), mask=mask)
             else:
