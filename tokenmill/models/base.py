@@ -18,6 +18,7 @@ from tokenmill.kvcache.cache import KVCache
 from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.layers.logits import logits_with_exact_top
+from tokenmill.models.layers.vocab import vocab_rows
 
 
 class DecoderLM(nn.Module):
@@ -85,6 +86,18 @@ class DecoderLM(nn.Module):
         self.cast_parameters(dtype).to(device)
         self.rotary.to(device)
         return self
+
+    @staticmethod
+    def copy_weight(name: str, dst: torch.Tensor, tensor: torch.Tensor, filled: dict[str, int]) -> None:
+        """Copy checkpoint ``tensor`` into parameter ``name``'s view ``dst`` and count the elements filled; a rank's
+        embedding or LM head shard may hold more rows than the checkpoint slice (its zeroed padding counts too)."""
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            dst, padding = vocab_rows(dst, tensor)
+            filled[name] = filled.get(name, 0) + padding
+        if dst.shape != tensor.shape:
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        filled[name] = filled.get(name, 0) + tensor.numel()
 
     def finish_loading(self, filled: dict[str, int], tie_word_embeddings: bool) -> None:
         """Tie the head if asked, then require every parameter to have been filled exactly once."""

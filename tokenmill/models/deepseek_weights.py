@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.fp8 import dequantize_fp8_blocks
-from tokenmill.models.layers.vocab import vocab_rows
 from tokenmill.models.loader import SKIP
 
 # The routed experts' weights in the released per-expert layout (the one fp8 checkpoints use).
@@ -146,11 +145,5 @@ class DeepseekWeights:
                 if name is None:
                     continue
             dst, canonical = self._target(name, params)
-            if canonical in ("embed_tokens.weight", "lm_head.weight"):
-                dst, padding = vocab_rows(dst, tensor)
-                filled[canonical] = filled.get(canonical, 0) + padding
-            if dst.shape != tensor.shape:
-                raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            filled[canonical] = filled.get(canonical, 0) + tensor.numel()
+            self.copy_weight(canonical, dst, tensor, filled)
         self.finish_loading(filled, self.config.tie_word_embeddings)

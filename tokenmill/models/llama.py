@@ -21,7 +21,7 @@ from tokenmill.models.layers.attention import PagedGQAttention
 from tokenmill.models.layers.mlp import SwiGLU
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding
-from tokenmill.models.layers.vocab import VocabParallelEmbedding, vocab_rows, vocab_rows_per_rank
+from tokenmill.models.layers.vocab import VocabParallelEmbedding, vocab_rows_per_rank
 
 
 class DecoderLayer(nn.Module):
@@ -98,11 +98,5 @@ class LlamaForCausalLM(DecoderLM):
                 dst = params[name].data
             else:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-            if name in ("embed_tokens.weight", "lm_head.weight"):
-                dst, padding = vocab_rows(dst, tensor)
-                filled[name] = filled.get(name, 0) + padding
-            if dst.shape != tensor.shape:
-                raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            filled[name] = filled.get(name, 0) + tensor.numel()
+            self.copy_weight(name, dst, tensor, filled)
         self.finish_loading(filled, self.config.tie_word_embeddings)
