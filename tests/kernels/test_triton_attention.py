@@ -12,7 +12,7 @@ from tokenmill.kernels.paged_attention import paged_attention
 
 # (tokens cached before this step, new tokens) per request.
 SHAPES = [(0, 1), (15, 1), (0, 16), (5, 6), (40, 1), (3, 33), (31, 1), (0, 2)]
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3}
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}  # bf16: two ulps (eps 2**-7)
 
 
 def on_device(batch):
@@ -60,7 +60,8 @@ def test_negative_slots_write_nothing(kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype,q_dtype", [("fp8", torch.float32), ("fp8", torch.float16),
-                                              ("fp16", torch.float16), ("bf16", torch.float32),
+                                              ("fp8", torch.bfloat16), ("fp16", torch.float16),
+                                              ("bf16", torch.bfloat16), ("bf16", torch.float32),
                                               ("fp32", torch.float32)])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_splits", [1, 3])
