@@ -36,10 +36,9 @@ def write_checkpoints(root: Path, tokenizer_dir: str | None, smoke: bool) -> dic
     import transformers
 
     from tokenmill.models.tokenizer import Tokenizer
-    from tokenmill.models.loader import open_checkpoint
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir \
-        else Tokenizer(open_checkpoint(None)).hf
+        else Tokenizer.of_model(None).hf
     torch.manual_seed(0)
     llama = dict(SMOLLM2_SHAPES, num_hidden_layers=2) if smoke else SMOLLM2_SHAPES
     models = {"smollm2-shaped": transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama)),

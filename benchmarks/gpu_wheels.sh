@@ -17,9 +17,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     xgrammar gguf fastapi starlette uvicorn sse-starlette jsonschema jsonschema-specifications referencing \
     rpds-py attrs apache-tvm-ffi opentelemetry-api importlib-metadata
 python3 - <<'PY'
-from tokenmill.models.loader import open_checkpoint
 from tokenmill.models.tokenizer import Tokenizer
 
-Tokenizer(open_checkpoint(None)).hf.save_pretrained(".gpu/tokenizer")
+Tokenizer.of_model(None).hf.save_pretrained(".gpu/tokenizer")
 PY
 du -sh .whl .gpu

@@ -107,6 +107,8 @@ class EngineConfig(BaseSettings):
                                                    "compiled with torch.compile and warmed up at start-up")
     compile_cache_dir: str = Field("~/.cache/tokenmill/inductor", description="torch.compile's generated code, "
                                                                              "kept across restarts")
+    tokenizer_cache_dir: str = Field("~/.cache/tokenmill/tokenizers", description="a GGUF file's tokenizer, converted "
+                                     "once (seconds) and kept across restarts; '' converts it at every start")
     # --- server (used by `tokenmill serve` only)
     host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 to listen on every interface")
     port: int = Field(8000, ge=0, le=65535)

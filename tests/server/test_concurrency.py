@@ -54,8 +54,11 @@ def default_server(tmp_path_factory):
 
 
 def test_32_streams_default_dtype_all_complete(default_server):
-    """bf16 + fp8 KV: batching changes rounding, so outputs may differ from solo runs; all must complete."""
-    alone, together = run_alone_then_together(default_server.base_url)
+    """The default settings (dtypes measured at start-up, 16-bit KV cache): batching may change rounding, so outputs
+    need not equal solo runs (the float32 test above checks that); every stream must complete with text."""
+    async def run():
+        client = openai.AsyncOpenAI(base_url=default_server.base_url, api_key=API_KEY, max_retries=0)
+        return await asyncio.gather(*[_stream_one(client, m) for m in prompts()])
+    together = asyncio.run(run())
+    assert len(together) == NUM_CLIENTS
     assert all(reason in ("stop", "length") and text for text, reason in together)
-    matches = sum(text == solo for (text, _), solo in zip(together, alone))
-    print(f"\ndefault dtype (bf16, fp8 KV): {matches} of {NUM_CLIENTS} concurrent streams equal their solo run")

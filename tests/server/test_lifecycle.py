@@ -15,11 +15,11 @@ from tests.live_server import FP32, MODEL, free_port, start_server, stop_server
 
 
 def test_burst_gets_429_with_retry_after(tmp_path):
-    # 512 tokens of KV and no overcommit: two requests promising ~206 tokens each fit, a third does not.
-    server = start_server(tmp_path, *FP32, "--kv-cache-memory", str((512 + 16) * 46080), "--max-model-len", "512",
+    # 128 tokens of KV and no overcommit: two requests promising ~56 tokens each fit, a third does not.
+    server = start_server(tmp_path, *FP32, "--kv-cache-memory", str((128 + 16) * 46080), "--max-model-len", "128",
                           "--admission-overcommit", "1.0")
     try:
-        body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 200, "ignore_eos": True}
+        body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 50, "ignore_eos": True}
 
         async def burst():
             async with httpx.AsyncClient(timeout=120) as client:
@@ -33,13 +33,13 @@ def test_burst_gets_429_with_retry_after(tmp_path):
         assert refused.json()["error"]["type"] == "rate_limit_error"
 
         # The SDK maps it to its own exception class.
-        long = {**body, "max_tokens": 300}
+        long = {**body, "max_tokens": 75}
         holder = threading.Thread(target=lambda: httpx.post(server.base_url + "/completions", json=long, timeout=120))
         holder.start()
         time.sleep(1.0)
         sdk = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         with pytest.raises(openai.RateLimitError):
-            sdk.completions.create(model=MODEL, prompt="x", max_tokens=300)
+            sdk.completions.create(model=MODEL, prompt="x", max_tokens=75)
         holder.join()
         metrics = server.metrics_text()
         assert 'tokenmill:requests_rejected_total{model_name="SmolLM2-135M-Instruct",reason="admission"} 5.0' in metrics

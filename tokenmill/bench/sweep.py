@@ -99,10 +99,9 @@ async def _level(spec: LoadSpec, prompts: list, concurrency: int, settings: dict
 def _detokenizer(settings: dict):
     if settings["endpoint"] != "chat" or settings["dataset"] not in (None, SHARED_PREFIX):  # token ids to text
         return None
-    from tokenmill.models.loader import open_checkpoint
     from tokenmill.models.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(open_checkpoint(settings["tokenizer"]))
+    tokenizer = Tokenizer.of_model(settings["tokenizer"])
     return tokenizer.decode
 
 

@@ -22,7 +22,6 @@ from tokenmill.engine.admission import Admission
 from tokenmill.engine.messages import (EngineInfo, EngineRequest, EngineStats, RequestOutput, StepOutputs,
                                        validate_request)
 from tokenmill.engine.process import EngineDeadError, EngineProcess, InProcessEngine
-from tokenmill.models.loader import open_checkpoint
 from tokenmill.models.tokenizer import Tokenizer
 from tokenmill.sampling.params import SamplingParams
 
@@ -51,7 +50,7 @@ class EngineClient:
     def start(self) -> EngineInfo:
         """Start the engine and wait until its model is loaded (call off the event loop: it takes seconds)."""
         def load_tokenizer() -> Tokenizer:
-            return Tokenizer(open_checkpoint(self.config.model))
+            return Tokenizer.of_model(self.config.model, self.config.tokenizer_cache_dir)
         if self.engine_in_own_process:  # load it while the child loads the model
             tokenizer = self._tokenizer_thread.submit(load_tokenizer)
             self.info = self._engine.start(self._on_step, self._on_dead)

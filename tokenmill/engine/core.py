@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 def open_model(config: EngineConfig) -> tuple[Checkpoint, Tokenizer, ModelConfig]:
     checkpoint = open_checkpoint(config.model)
-    tokenizer = Tokenizer(checkpoint)
+    tokenizer = Tokenizer.of_checkpoint(checkpoint, config.tokenizer_cache_dir)
     return checkpoint, tokenizer, ModelConfig.from_hf(checkpoint.hf_config, checkpoint.generation_config,
                                                       tokenizer.eos_token_id)
 

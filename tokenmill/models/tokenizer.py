@@ -1,27 +1,58 @@
 """The tokenizer and chat template of a checkpoint, through transformers' AutoTokenizer (which also converts
-a GGUF file's embedded tokenizer)."""
+a GGUF file's embedded tokenizer).
+
+Converting a GGUF tokenizer takes seconds (SmolLM2's: 6 s on 2 cores, at every start of both the engine and the API
+process), so the converted tokenizer is saved once under ``cache_dir`` and read back from there (0.1 s). The cache key
+is the GGUF file's resolved path, size and modification time and the transformers and tokenizers versions: a changed
+file or library converts afresh. An entry appears whole or not at all (written to a temporary directory, then
+renamed), so processes starting at once never read half of one.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
-from tokenmill.models.loader import Checkpoint, ModelLoadError
+from tokenmill.models.loader import Checkpoint, ModelLoadError, tokenizer_files
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = "~/.cache/tokenmill/tokenizers"
 
 
 class Tokenizer:
-    def __init__(self, checkpoint: Checkpoint):
-        from transformers import AutoTokenizer
+    def __init__(self, directory: Path, gguf_file: str | None = None, cache_dir: str | None = DEFAULT_CACHE_DIR):
+        """The tokenizer in ``directory`` (HF files), or embedded in ``directory / gguf_file``; ``cache_dir`` None or
+        '' converts a GGUF tokenizer at every start."""
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        kwargs = {"gguf_file": checkpoint.tokenizer_gguf_file} if checkpoint.tokenizer_gguf_file else {}
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(checkpoint.tokenizer_dir), **kwargs)
+            if gguf_file and cache_dir:
+                self.hf = _cached_gguf_tokenizer(Path(directory) / gguf_file, Path(cache_dir).expanduser())
+            else:
+                self.hf = _load(directory, gguf_file)
         except Exception as exc:  # transformers raises many kinds for a missing/broken tokenizer
-            raise ModelLoadError(f"cannot load a tokenizer from {checkpoint.path}: {exc}") from None
+            raise ModelLoadError(f"cannot load a tokenizer from {Path(directory) / (gguf_file or '')}: {exc}") \
+                from None
         # The tokenizer's own EOS; the model's full list is ModelConfig.eos_token_ids (this one included).
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.vocab_size = len(self.hf)
+
+    @classmethod
+    def of_checkpoint(cls, checkpoint: Checkpoint, cache_dir: str | None = DEFAULT_CACHE_DIR) -> "Tokenizer":
+        return cls(checkpoint.tokenizer_dir, checkpoint.tokenizer_gguf_file, cache_dir)
+
+    @classmethod
+    def of_model(cls, model: str | None, cache_dir: str | None = DEFAULT_CACHE_DIR) -> "Tokenizer":
+        """``model``'s tokenizer (a path as ``--model`` takes it; None: the default model) without reading its
+        weights or GGUF metadata."""
+        return cls(*tokenizer_files(model), cache_dir)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
@@ -39,3 +70,33 @@ class Tokenizer:
         return self.encode(rendered, add_special_tokens=False)
 
 
+def _load(directory: Path, gguf_file: str | None = None):
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoTokenizer.from_pretrained(str(directory), **kwargs)
+
+
+def _cached_gguf_tokenizer(gguf: Path, cache_dir: Path):
+    import tokenizers
+    import transformers
+
+    source = gguf.resolve()
+    stat = source.stat()
+    identity = f"{source}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{tokenizers.__version__}"
+    entry = cache_dir / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    if entry.is_dir():
+        return _load(entry)
+    converted = _load(source.parent, source.name)
+    partial = None
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        partial = tempfile.mkdtemp(dir=cache_dir, prefix=".partial-")
+        converted.save_pretrained(partial)
+        os.rename(partial, entry)
+    except OSError as exc:  # another process renamed its copy first, or the directory is not writable
+        if partial:
+            shutil.rmtree(partial, ignore_errors=True)
+        if not entry.is_dir():
+            log.warning("tokenizer not cached in %s (%s): it is converted again at the next start", cache_dir, exc)
+    return converted
