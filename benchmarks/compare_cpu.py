@@ -128,11 +128,12 @@ def write_markdown(args, results: dict[str, list[dict]], path: Path) -> None:
              f"/v1/completions, temperature 0; every server on the same machine, one at a time (started, swept, "
              f"stopped).", "",
              f"Command: `python benchmarks/compare_cpu.py {' '.join(sys.argv[1:])}`", "",
-             "| server | concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
-             "errors |", "|---|---|---|---|---|---|---|---|"]
+             "| server | concurrency | requests/s | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+             "TPOT p99 ms | errors |", "|---|---|---|---|---|---|---|---|---|"]
     for name, levels in results.items():
         for lv in levels:
-            lines.append(f"| {name} | {lv['concurrency']} | {lv['output_tok_per_s']:.1f} | "
+            lines.append(f"| {name} | {lv['concurrency']} | {lv['request_throughput']:.3f} | "
+                         f"{lv['output_tok_per_s']:.1f} | "
                          f"{lv['ttft_s']['p50'] * 1e3:.0f} | {lv['ttft_s']['p99'] * 1e3:.0f} | "
                          f"{(lv['tpot_s']['p50'] or 0) * 1e3:.0f} | {(lv['tpot_s']['p99'] or 0) * 1e3:.0f} | "
                          f"{sum(lv['errors'].values())} |")

@@ -33,13 +33,15 @@ def teacher_forced_logits(model: torch.nn.Module, kv_cache: KVCache, token_ids: 
     return torch.cat(logits)
 
 
-def fp8_kv_kl(model: torch.nn.Module, token_ids: list[int], block_size: int, num_blocks: int) -> torch.Tensor:
-    """Per-position KL(p_fp32_cache || p_fp8_cache) of teacher-forced next-token distributions, every position
-    decoded from the cache (the worst case for a quantized cache)."""
+def fp8_kv_kl(model: torch.nn.Module, token_ids: list[int], block_size: int, num_blocks: int,
+              chunk: int = 1) -> torch.Tensor:
+    """Per-position KL(p_fp32_cache || p_fp8_cache) of teacher-forced next-token distributions, fed ``chunk`` tokens
+    per step, so each position reads all but at most ``chunk - 1`` of its context back from the cache (1: all of it,
+    the worst case for a quantized cache)."""
     logp = {}
     for dtype in ("fp32", "fp8"):
         cache = KVCache(model.kv_cache_spec(dtype, block_size), num_blocks=num_blocks, device="cpu")
-        logp[dtype] = teacher_forced_logits(model, cache, token_ids, chunk=1).log_softmax(-1)
+        logp[dtype] = teacher_forced_logits(model, cache, token_ids, chunk=chunk).log_softmax(-1)
     return kl_per_position(logp["fp32"], logp["fp8"])
 
 
