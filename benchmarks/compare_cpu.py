@@ -79,9 +79,10 @@ def servers(args) -> dict[str, dict]:
                                      "cmd": [sys.executable, "-m", "tokenmill", "serve", "--port", "8004"]}
     if args.llama_server:
         slots = max(int(c) for c in args.concurrency.split(","))
+        per_slot = max(1024, args.input_len + args.output_len + 64)  # llama-server splits -c evenly over its slots
         found["llama.cpp"] = {"port": 8003, "env": {}, "startup": 120, "cmd": [
             args.llama_server, "-m", gguf, "--alias", "smollm2", "--host", "127.0.0.1", "--port", "8003",
-            "-t", "2", "-c", str(1024 * slots), "-np", str(slots), "--no-webui", "--no-repack", "--metrics"]}
+            "-t", "2", "-c", str(per_slot * slots), "-np", str(slots), "--no-webui", "--no-repack", "--metrics"]}
     if args.vllm_python:
         model_dir = safetensors_copy(Path(args.work) / "smollm2-safetensors")
         found["vLLM-CPU"] = {"port": 8002, "env": {"VLLM_CPU_KVCACHE_SPACE": "2"}, "startup": 600, "cmd": [

@@ -8,7 +8,7 @@ import pytest
 from tests.live_server import API_KEY, MODEL, start_server, stop_server
 
 NUM_CLIENTS = 32
-MAX_TOKENS = 16
+MAX_TOKENS = 8  # 32 distinct answers already (checked below)
 TOPICS = ["rivers", "cats", "the moon", "bread", "trains", "music", "snow", "chess", "bees", "volcanoes",
           "tea", "bridges", "owls", "rain", "maps", "glass", "salt", "clocks", "ships", "forests", "paper",
           "bicycles", "mountains", "coffee", "stars", "whales", "deserts", "gardens", "robots", "castles",
