@@ -196,7 +196,7 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _gguf_reader(path: Path):
+def gguf_reader(path: Path):
     """gguf's GGUFReader over plain ndarray views of its memory map: the reader slices its map once per metadata
     item (SmolLM2's vocabulary and merges: ~250,000 slices), and a ``np.memmap`` slice runs Python code each time
     (3.6 s to open SmolLM2's file) where a plain view does not (1.2 s). The bytes and the mapping are the same."""
@@ -218,7 +218,7 @@ def _open_gguf(path: Path, name: str) -> Checkpoint:
     from gguf import dequantize
 
     try:
-        reader = _gguf_reader(path)
+        reader = gguf_reader(path)
     except Exception as exc:  # the reader raises ValueError/struct errors on corrupt files
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from None
     config = _gguf_config(reader, path)
