@@ -9,7 +9,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # Engines in the tests (and the servers they start, which inherit the environment) run eagerly with torch's own thread
 # count: compiling and timing thread layouts at every start-up would cost minutes of CI. tests/models/test_compile.py
-# and tests/engine/test_warmup.py cover both, and set them explicitly.
+# and tests/engine/test_settle.py cover both, and set them explicitly.
 os.environ.setdefault("TOKENMILL_ENFORCE_EAGER", "1")
 os.environ.setdefault("TOKENMILL_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 

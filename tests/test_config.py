@@ -52,8 +52,11 @@ def test_byte_sizes():
 
 @pytest.mark.parametrize("device,expected", [("cpu", "bf16"), ("cuda", "fp8")])
 def test_auto_kv_cache_dtype_is_fp8_on_cuda_and_bf16_on_a_cpu(device, expected):
-    assert load_config(device=device).resolved_kv_cache_dtype() == expected
-    assert load_config(device=device, kv_cache_dtype="fp8").resolved_kv_cache_dtype() == "fp8"
+    from tokenmill.engine.settle import choose_device, choose_kv_cache_dtype
+
+    config = load_config(device=device)
+    assert choose_kv_cache_dtype(config, choose_device(config)) == expected
+    assert choose_kv_cache_dtype(load_config(device=device, kv_cache_dtype="fp8"), device) == "fp8"
 
 
 def test_torchrun_variables_place_a_rank_and_set_the_tensor_parallel_size(monkeypatch):
@@ -62,7 +65,7 @@ def test_torchrun_variables_place_a_rank_and_set_the_tensor_parallel_size(monkey
         monkeypatch.setenv(var, value)
     config = load_config()
     assert (config.rank, config.world_size, config.local_rank, config.master_addr, config.master_port,
-            config.tensor_parallel_size) == (3, 4, 1, "10.0.0.7", 29400, 4)
+            config.launch_tensor_parallel_size) == (3, 4, 1, "10.0.0.7", 29400, 4)
     with pytest.raises(ConfigError, match=r"tensor_parallel_size \(2\) differs from the launch's world_size \(4\)"):
         load_config(tensor_parallel_size=2)
     monkeypatch.delenv("RANK")

@@ -1,5 +1,6 @@
 """The layering rules of shared/DESIGN.md as checks over the package's real imports (every ``import`` statement of
-every module, function-level ones included, read with ``ast``), plus the pure scheduler imported with torch blocked."""
+every module, function-level and ``if TYPE_CHECKING:`` ones included, read with ``ast``), plus the pure scheduler
+imported with torch blocked."""
 
 from __future__ import annotations
 
@@ -90,8 +91,8 @@ def test_scheduler_reaches_neither_torch_nor_models(module):
 
 
 SERVER_MAY_IMPORT = ("tokenmill.engine.client", "tokenmill.engine.messages", "tokenmill.sampling.params",
-                     "tokenmill.structured.spec", "tokenmill.structured.grammar", "tokenmill.tools",
-                     "tokenmill.config", "tokenmill.logs", "tokenmill.server")
+                     "tokenmill.structured.spec", "tokenmill.structured.grammar", "tokenmill.structured.checker",
+                     "tokenmill.tools", "tokenmill.config", "tokenmill.logs", "tokenmill.server")
 
 
 @pytest.mark.parametrize("module", modules_under("tokenmill.server"))
@@ -137,3 +138,72 @@ def test_scheduler_imports_where_torch_cannot_be_imported():
                "assert 'torch' not in sys.modules\n")
     result = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("module", modules_under("tokenmill.speculative"))
+def test_speculative_imports_nothing_above_it(module):
+    """Proposers see a DraftContext of plain arrays (speculative/proposer.py), never the engine's types."""
+    allowed = ("tokenmill.speculative", "tokenmill.kernels", "tokenmill.kvcache")
+    wrong = {n for n in import_graph()[module] if top(n) == "tokenmill" and not within(n, allowed)}
+    assert not wrong, f"{module} imports {wrong}"
+
+
+@pytest.mark.parametrize("layer", ["tokenmill.structured", "tokenmill.tools"])
+def test_grammar_and_tool_libraries_import_nothing_above_them(layer):
+    """Pure libraries the server may import: they never reach the engine, the models or the server."""
+    allowed = ("tokenmill.structured", "tokenmill.tools", "tokenmill.runtime")
+    for module in modules_under(layer):
+        wrong = {n for n in import_graph()[module] if top(n) == "tokenmill" and not within(n, allowed)}
+        assert not wrong, f"{module} imports {wrong}"
+
+
+def test_admission_is_api_side_policy():
+    assert "tokenmill.server.admission" in import_graph() and "tokenmill.engine.admission" not in import_graph()
+    assert not {n for n in closure("tokenmill.server.admission") if top(n) == "torch"}
+
+
+def _cycles(modules: list[str]) -> list[list[str]]:
+    """The strongly connected components of more than one module among ``modules`` (Tarjan's algorithm)."""
+    edges = {m: sorted({t for n in import_graph()[m] if (t := internal(n)) in modules and t != m}) for m in modules}
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
+        for t in edges[m]:
+            if t not in index:
+                visit(t)
+                low[m] = min(low[m], low[t])
+            elif t in on_stack:
+                low[m] = min(low[m], index[t])
+        if low[m] == index[m]:
+            component = []
+            while (t := stack.pop()) != m:
+                on_stack.discard(t)
+                component.append(t)
+            on_stack.discard(m)
+            if component:
+                found.append(sorted(component + [m]))
+    for m in modules:
+        if m not in index:
+            visit(m)
+    return found
+
+
+@pytest.mark.parametrize("layer", ["tokenmill.engine", "tokenmill.scheduler", "tokenmill.server",
+                                   "tokenmill.speculative", "tokenmill.structured"])
+def test_no_import_cycle_within_a_layer(layer):
+    assert _cycles(modules_under(layer)) == []
+
+
+def test_no_import_cycle_in_the_package():
+    """Outside kernels/: there each op's dispatch imports its Triton kernel lazily (CPU users never import triton)
+    and the kernel reads its reference's types and constants -- a pair per op, by design."""
+    assert _cycles([m for m in sorted(import_graph()) if not within(m, ("tokenmill.kernels",))]) == []
+
+
+def test_the_cycle_finder_finds_cycles(monkeypatch):
+    fake = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}
+    monkeypatch.setattr(sys.modules[__name__], "import_graph", lambda: fake)
+    assert _cycles(sorted(fake)) == [["p.a", "p.b", "p.c"]]

@@ -85,6 +85,13 @@ class EngineConfig(BaseSettings):
     num_speculative_tokens: int = Field(3, gt=0, le=16, description="most draft tokens per request and step")
     prompt_lookup_min: int = Field(2, gt=0, description="shortest n-gram the ngram method matches")
     prompt_lookup_max: int = Field(4, gt=0, description="longest n-gram the ngram method matches (tried first)")
+    # --- structured outputs
+    grammar_timeout: float = Field(
+        5.0, gt=0, description="seconds a request's grammar may take to compile and pass a trial walk before it is "
+                               "admitted, and for any one step's work in the engine; over it the request gets a 400 "
+                               "naming its constraint, and no other request waits for it")
+    grammar_max_bytes: int = Field(256 * 2**20, gt=0, description="largest compiled grammar of one request "
+                                                                  "(accepts '256MiB')")
     # --- parallelism
     tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split across (heads, MLP width, "
                                                           "vocabulary), one process each on this host: GPUs 0..N-1 "
@@ -137,7 +144,7 @@ class EngineConfig(BaseSettings):
     engine_process: bool = Field(True, description="run the engine core in its own process (--no-engine-process: "
                                                    "on a thread of the API process, one GIL for both)")
 
-    @field_validator("kv_cache_memory", "max_request_body_bytes", mode="before")
+    @field_validator("kv_cache_memory", "max_request_body_bytes", "grammar_max_bytes", mode="before")
     @classmethod
     def _parse_size(cls, value: Any) -> int:
         return parse_byte_size(value)
@@ -158,8 +165,12 @@ class EngineConfig(BaseSettings):
                              f"world_size ({self.world_size})")
         if self.rank is None or self.rank >= self.world_size:
             raise ValueError(f"a launch of {self.world_size} ranks needs rank in 0..{self.world_size - 1}")
-        self.tensor_parallel_size = self.world_size
         return self
+
+    @property
+    def launch_tensor_parallel_size(self) -> int:
+        """The ranks the model is split across: a multi-node launch's world size, else tensor_parallel_size."""
+        return self.world_size if self.world_size and self.world_size > 1 else self.tensor_parallel_size
 
     @model_validator(mode="after")
     def _check_paths(self) -> "EngineConfig":
@@ -168,18 +179,6 @@ class EngineConfig(BaseSettings):
         if self.api_key_file is not None and not Path(self.api_key_file).is_file():
             raise ValueError(f"api_key_file does not exist: {self.api_key_file}")
         return self
-
-    def resolved_kv_cache_dtype(self) -> str:
-        if self.kv_cache_dtype != "auto":
-            return self.kv_cache_dtype
-        return "fp8" if self.resolved_device() == "cuda" else "bf16"
-
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _read_toml(path: str | os.PathLike) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -10,8 +9,9 @@ from typing import Any, Sequence
 
 from tokenmill.config import load_config
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.messages import EngineRequest, validate_request
+from tokenmill.engine.messages import PromptError, make_engine_requests
 from tokenmill.sampling.params import SamplingParams
+from tokenmill.structured.grammar import build_grammar
 
 
 @dataclass
@@ -24,6 +24,7 @@ class Completion:
     # Per token: (logprob of the chosen token, [(token id, logprob)] top candidates); None unless asked.
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    error: str | None = None  # finish_reason "error": why the engine refused it (its grammar over budget, say)
 
 
 @dataclass
@@ -53,6 +54,10 @@ class GenerationResult:
 Prompt = str | list[int]
 
 
+def uuid_hex() -> str:
+    return uuid.uuid4().hex
+
+
 class LLM:
     """The engine core in the caller's thread: no server, no second process."""
 
@@ -66,12 +71,24 @@ class LLM:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
                     ) -> str:
-        """Validate and queue one request (ValueError naming the problem); step ``self.engine`` to run it."""
-        max_tokens = validate_request(self.engine.info, prompt_token_ids, params)
-        request_id = request_id or uuid.uuid4().hex
-        self.engine.add_request(EngineRequest(request_id, list(prompt_token_ids), params, max_tokens,
-                                              time.monotonic()))
-        return request_id
+        """Validate and queue one request of one choice (ValueError naming the problem); step ``self.engine`` to run
+        it."""
+        if params.n != 1:
+            raise ValueError("add_request queues one choice: use generate() for n > 1")
+        return self._add([prompt_token_ids], params, (lambda: request_id) if request_id else uuid_hex)[0]
+
+    def _add(self, prompts: list[list[int]], params: SamplingParams, new_id=None) -> list[str]:
+        """Validate, then queue ``params.n`` requests per prompt (make_engine_requests, as the server does)."""
+        if params.grammar is not None:
+            build_grammar(params.grammar)  # GrammarError (a ValueError) for a grammar that describes none
+        try:
+            requests = make_engine_requests(self.engine.info, prompts, params, time.monotonic(),
+                                            new_id=new_id or uuid_hex)
+        except PromptError as exc:
+            raise exc.cause from None
+        for request in requests:
+            self.engine.add_request(request)
+        return [r.request_id for r in requests]
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
@@ -86,8 +103,7 @@ class LLM:
         for prompt, params in zip(prompts, per_prompt):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             result = GenerationResult(prompt if isinstance(prompt, str) else None, ids, [])
-            for index in range(params.n):
-                request_id = self.add_request(ids, _choice_params(params, index))
+            for index, request_id in enumerate(self._add([ids], params)):
                 completion = Completion(index, logprobs=[] if params.logprobs is not None else None)
                 result.outputs.append(completion)
                 pending[request_id] = completion
@@ -102,6 +118,7 @@ class LLM:
                     completion.logprobs.extend(out.new_logprobs)
                 if out.finished:
                     completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
+                    completion.error = out.error
         return results
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
@@ -109,11 +126,3 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.tokenizer.apply_chat_template(list(c)) for c in conversations], params)
-
-
-def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The n choices of one prompt are separate requests; seeded ones get distinct, reproducible seeds."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)

@@ -51,3 +51,21 @@ def resident_memory_bytes() -> int:
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
         except (ImportError, OSError):
             return 0
+
+
+def exit_with_parent() -> None:
+    """End this process (a multiprocessing child) the moment its parent process is gone, however the parent went
+    (SIGKILL included) and whatever this process's main thread is doing (a call deep in native code included): a
+    watchdog thread waits on the parent's sentinel. A no-op in a process that multiprocessing did not start."""
+    import multiprocessing
+    import multiprocessing.connection
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+    threading.Thread(target=watch, name="tokenmill-parent-watch", daemon=True).start()

@@ -26,12 +26,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 @contextlib.contextmanager
 def drafting(llm: LLM):
     """``llm`` with n-gram drafts (4 per step, n-grams of 3 down to 1 token), as --speculative-method ngram sets."""
-    assert llm.engine.proposer is None
-    llm.engine.proposer = NgramProposer(4, min_n=1, max_n=3)
+    runner = llm.engine.runner
+    assert runner.proposer is None
+    runner.proposer = NgramProposer(4, min_n=1, max_n=3)
     try:
         yield llm
     finally:
-        llm.engine.proposer = None
+        runner.proposer = None
 
 
 @pytest.fixture(scope="module")

@@ -87,13 +87,13 @@ def test_when_even_the_shortest_document_does_not_fit_it_is_length_and_a_valid_p
     SDK's parse() raises LengthFinishReasonError, as with OpenAI), and every token of it is one the grammar accepts."""
     out = smollm_llm.generate([ask_ids], constrained(max_tokens=6))[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 6
-    compiler = smollm_llm.engine.grammars.compiler
+    compiler = smollm_llm.engine.grammars.matchers.compiler
     matcher = xgr.GrammarMatcher(compiler.compile(SCHEMA))
     assert all(matcher.accept_token(t) for t in out.token_ids) and not matcher.is_terminated()
 
 
 def test_grammars_are_compiled_once_per_spec(smollm_llm, ask_ids):
-    compiler = smollm_llm.engine.grammars.compiler
+    compiler = smollm_llm.engine.grammars.matchers.compiler
     spec = GrammarSpec("regex", r"(yes|no)")
     before = compiler.num_compiled
     smollm_llm.generate([ask_ids] * 2, SamplingParams(temperature=0.0, max_tokens=4, grammar=spec))
@@ -129,3 +129,33 @@ def test_forced_parallel_tool_calls_near_max_tokens_keep_every_call_whole(smollm
         assert calls and content == ""
         for call in calls:
             jsonschema.validate(json.loads(call.arguments), params)
+
+
+def test_a_grammar_whose_work_runs_past_its_budget_ends_alone(smollm_llm, prompt_ids, monkeypatch):
+    """``(a+)+`` repeated 200 times is a valid regex that compiles in milliseconds, and every "a" it accepts makes
+    xgrammar's matcher slower. With a 0.3 s budget for one step's grammar work its request ends with an error, while a
+    normal request in the same batch gets exactly the tokens it gets alone, and no step waits for the grammar."""
+    import time
+
+    engine = smollm_llm.engine
+    monkeypatch.setattr(engine.grammars, "timeout_s", 0.3)
+    free = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    alone = smollm_llm.generate([prompt_ids[2]], free)[0].token_ids
+    ids = smollm_llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say a"}])
+    bad = smollm_llm.add_request(ids, SamplingParams(temperature=0.0, max_tokens=400,
+                                                     grammar=GrammarSpec("regex", "(a+)+" * 200)))
+    normal = smollm_llm.add_request(prompt_ids[2], free)
+    tokens, outcome, slowest = {bad: [], normal: []}, {}, 0.0
+    while engine.has_unfinished():
+        start = time.monotonic()
+        outputs = engine.step().outputs
+        slowest = max(slowest, time.monotonic() - start)
+        for out in outputs:
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                outcome[out.request_id] = (out.finish_reason, out.error)
+    assert tokens[normal] == alone and outcome[normal] == ("length", None)
+    assert outcome[bad][0] == "error" and "grammar_timeout" in outcome[bad][1]
+    assert set(smollm_llm.tokenizer.decode(tokens[bad])) <= {"a"} and len(tokens[bad]) < 400
+    assert slowest < 2.0  # a step takes ~0.05 s; the grammar's work took longer than 0.3 s, off the loop
+    assert bad not in engine.grammars and not engine.grammars.busy

@@ -1,32 +1,10 @@
-"""Start-up on a CPU: the thread layout chosen by timing the model, and the synthetic steps it is timed on."""
+"""Start-up on a CPU: the synthetic steps the compiled layer stack is warmed up on (the thread layout is chosen by
+engine/settle.py, tests/engine/test_settle.py)."""
 
 import pytest
-import torch
 
 from tokenmill.engine import warmup
 from tokenmill.kvcache.cache import KVCache
-
-
-@pytest.mark.parametrize("fewer_over_all,expected", [((1.02, 0.95), 1), ((0.94, 1.25), 2), ((1.6, 1.9), 2)])
-def test_one_core_is_left_to_the_api_only_where_the_engine_loses_nothing(monkeypatch, smollm_llm, fewer_over_all,
-                                                                         expected):
-    def fake_seconds(model, kv_cache, batch, repeats=5):
-        slow = fewer_over_all[warmup.THREAD_PROBE_BATCHES.index(batch)]
-        return slow if torch.get_num_threads() == 1 else 1.0
-    monkeypatch.setattr(warmup, "_decode_seconds", fake_seconds)
-    threads = torch.get_num_threads()
-    try:
-        runner = smollm_llm.engine.runner
-        assert warmup.choose_num_threads(runner.model, runner.kv_cache, 2) == expected
-        assert torch.get_num_threads() == expected
-        assert warmup.choose_num_threads(runner.model, runner.kv_cache, 1) == 1
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_decode_timing_runs_the_model(smollm_llm):
-    runner = smollm_llm.engine.runner
-    assert 0 < warmup._decode_seconds(runner.model, runner.kv_cache, 2, repeats=1) < 60
 
 
 @pytest.mark.parametrize("requests,tokens,context", [(1, 1, 16), (4, 1, 37), (1, 2, 16), (3, 5, 20)])

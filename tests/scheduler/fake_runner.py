@@ -5,6 +5,7 @@ outputs or fails an assertion."""
 import random
 
 from tokenmill.sampling.params import SamplingParams
+from tokenmill.scheduler.output import OutputReports, RunnerOutput
 from tokenmill.scheduler.request import Request
 from tokenmill.scheduler.scheduler import Scheduler
 
@@ -76,9 +77,10 @@ class FakeRunner:
         return sampled
 
 
-def run_step(sched: Scheduler, budget_seen: list[int] | None = None, propose=None):
-    """One step through the fake runner; ``propose(request)``, when given, sets each running request's drafts after
-    it, as the engine's proposer does."""
+def run_step(sched: Scheduler, budget_seen: list[int] | None = None, propose=None, reports=None):
+    """One step through the fake runner; ``propose(request, tokens)``, when given, drafts for each request that
+    sampled from its tokens after the step, as the runner's proposer does (they come back in the runner's output);
+    ``reports``: what the engine's detokenizers and grammars would report (default: nothing)."""
     runner = sched.__dict__.setdefault("_fake_runner", FakeRunner(sched))
     out = sched.schedule()
     assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
@@ -90,13 +92,10 @@ def run_step(sched: Scheduler, budget_seen: list[int] | None = None, propose=Non
         req, row = sched.requests[rid], runner.rows[rid]
         assert (row["blocks"], row["computed"]) == (req.block_ids, req.num_computed_tokens)
         assert row["tokens"][:req.num_tokens] == req.all_token_ids
-    finished = sched.update(out, sampled)
+    drafts = {rid: propose(sched.requests[rid], runner.rows[rid]["tokens"]) for rid in sampled} if propose else {}
+    updates = sched.update_from_output(out, RunnerOutput(sampled, drafts=drafts), reports or OutputReports())
     sched.check_integrity()
-    if propose is not None:
-        for request in sched.running:
-            if request.num_tokens - request.num_computed_tokens == 1:
-                request.spec_token_ids = propose(request)
-    return out, finished
+    return out, [u.request for u in updates if u.request.is_finished]
 
 
 def drain(sched: Scheduler, max_steps: int = 10_000, propose=None):

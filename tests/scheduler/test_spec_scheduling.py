@@ -15,8 +15,9 @@ def scheduler(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8) -> 
 
 def oracle(k: int, rng: random.Random | None = None, wrong: float = 0.0):
     """Drafts from the true continuation; with probability ``wrong`` per draft, a wrong token at that position."""
-    def propose(request):
-        truth = expected_output(request)[request.num_output_tokens:request.num_output_tokens + k]
+    def propose(request, tokens):
+        done = len(tokens) - request.num_prompt_tokens  # outputs after this step's tokens
+        truth = expected_output(request)[done:done + k]
         return [(t + 1) % VOCAB if rng and rng.random() < wrong else t for t in truth]
     return propose
 

@@ -6,12 +6,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.engine.messages import EngineStats
+from tokenmill.server.admission import Admission
 from tokenmill.server.metrics import Metrics
 
 
 def scrape(stats: EngineStats) -> dict[tuple, float]:
-    client = SimpleNamespace(stats=stats, saturation=0.0, engine_in_own_process=False)
-    text = generate_latest(Metrics(client, "m").registry).decode()
+    client = SimpleNamespace(stats=stats, engine_in_own_process=False)
+    text = generate_latest(Metrics(client, Admission(100), "m").registry).decode()
     return {(s.name, s.labels.get("position")): s.value for f in text_string_to_metric_families(text)
             for s in f.samples}
 

@@ -130,6 +130,48 @@ def test_tokenize_and_detokenize(fp32_server, client):
     assert httpx.post(fp32_server.root + "/tokenize", json={"prompt": "x"}).status_code == 401
 
 
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none", "required"])
+def test_tokenize_renders_a_chat_as_chat_completions_does(fp32_server, client, tool_choice):
+    """The prompt /tokenize counts is the one the chat completion was served from (usage.prompt_tokens), tools and
+    tool_choice included: with "none" the tools are left out of both."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    counted = httpx.post(fp32_server.root + "/tokenize", json={"messages": ASK, "tools": [WEATHER], **extra},
+                         headers=headers).json()["count"]
+    served = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=1,
+                                            **extra).usage.prompt_tokens
+    bare = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1).usage.prompt_tokens
+    assert counted == served
+    assert (served == bare) == (tool_choice == "none")
+
+
+def test_logprob_bytes_of_a_character_split_across_tokens(client):
+    """A snowman (3 UTF-8 bytes) comes as byte pieces of a byte-level vocabulary: each piece's token text is only
+    U+FFFD, but the pieces' bytes concatenate to the text's UTF-8 (OpenAI's bytes field)."""
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Draw snowmen."}],
+                                       temperature=0, max_tokens=12, logprobs=True, top_logprobs=2,
+                                       extra_body={"structured_outputs": {"regex": "☃☃"}})
+    choice = r.choices[0]
+    assert choice.message.content == "☃☃"
+    content = choice.logprobs.content
+    pieces = [bytes(t.bytes) for t in content]
+    assert b"".join(pieces).removesuffix(b"<|im_end|>") == "☃☃".encode()  # the stop token ends the list
+    assert any(p and not _decodes(p) for p in pieces), pieces  # at least one token is part of a character
+    for t in content:  # a whole character's text is its bytes; a piece's text shows the replacement character
+        assert t.token == bytes(t.bytes).decode() if _decodes(bytes(t.bytes)) else "\ufffd" in t.token
+    for t in content:
+        for top in t.top_logprobs:
+            assert top.bytes is not None and (not _decodes(bytes(top.bytes)) or bytes(top.bytes).decode() == top.token)
+
+
+def _decodes(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def test_unknown_fields_are_named(fp32_server):
     for body, param in [({"messages": ASK, "frobnicate": 1}, "frobnicate"),
                         ({"messages": [{**ASK[0], "mood": "happy"}]}, "messages.0.mood"),

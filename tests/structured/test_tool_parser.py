@@ -79,7 +79,7 @@ def test_the_forcing_grammar_accepts_what_the_format_writes_and_the_parser_reads
     fmt = CASES[name][0]
     tools = [{"type": "function", "function": {"name": "f0", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-    compiler = smollm_llm.engine.grammars.compiler
+    compiler = smollm_llm.engine.grammars.matchers.compiler
     matcher = xgr.GrammarMatcher(compiler.compile(GrammarSpec("structural_tag",
                                                               structural_tag(fmt, tools, "required", True))))
     text = fmt.render_call("f0", json.dumps({"city": "Paris"}))
@@ -102,7 +102,7 @@ def test_required_means_calls_only(name, smollm_llm):
     tools = [{"type": "function", "function": {"name": "f0", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
     call = fmt.render_call("f0", json.dumps({"city": "Paris"}))
-    compiler = smollm_llm.engine.grammars.compiler
+    compiler = smollm_llm.engine.grammars.matchers.compiler
 
     def accepts(text: str, parallel: bool) -> bool:
         spec = GrammarSpec("structural_tag", structural_tag(fmt, tools, "required", parallel))

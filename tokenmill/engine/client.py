@@ -1,47 +1,63 @@
-"""EngineClient: the API process's one handle on the engine. The server sees this class and the message types only.
+"""EngineClient: the API process's one handle on the engine. The server sees this class and the message types only,
+and gets from it plain data (``info``, ``chat_template``) or awaitables that run off the event loop.
 
-It owns what the API side needs without the model: the tokenizer (its calls run on a worker thread, never on the
-event loop), request validation against the loaded engine's ``EngineInfo``, admission control, and a queue per live
-request fed by the engine's outputs. The engine core itself runs in a child process (engine/process.py) or, with
-``in_process``, on a thread beside the server.
-
-Admission control (engine/admission.py) refuses requests whose token promise does not fit, with a Retry-After
-estimated from how fast admitted work drains.
+It owns what the API side needs without the model: the tokenizer (encode, chat templates, decode, token pieces for
+logprobs -- each call on a worker thread), the front-end path that validates requests and fans out their choices
+(engine/messages.py's ``make_engine_requests``, shared with ``LLM``), the grammar checker (structured/checker.py:
+compile and try a grammar in a child process, with a time and size budget), and a queue per live request fed by the
+engine's outputs. The engine core itself runs in a child process (engine/process.py) or, with ``in_process``, on a
+thread beside the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.admission import Admission
 from tokenmill.engine.messages import (EngineInfo, EngineRequest, EngineStats, RequestOutput, StepOutputs,
-                                       validate_request)
+                                       make_engine_requests)
 from tokenmill.engine.process import EngineDeadError, EngineProcess, InProcessEngine
 from tokenmill.models.tokenizer import Tokenizer
 from tokenmill.sampling.params import SamplingParams
+from tokenmill.structured.checker import CheckerUnavailable, GrammarChecker
+from tokenmill.structured.spec import GrammarSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineClient", "EngineDeadError"]
+__all__ = ["EngineClient", "EngineDeadError", "TokenPiece"]
+
+
+@dataclass(frozen=True)
+class TokenPiece:
+    """One token as logprobs show it: its text decoded alone, and its exact bytes (a piece of a character split
+    across tokens has bytes but no text of its own: its text is U+FFFD)."""
+    text: str
+    bytes: list[int]
 
 
 class EngineClient:
     def __init__(self, config: EngineConfig, in_process: bool = False):
         self.config = config
-        self.tokenizer: Tokenizer | None = None  # loaded by start(), while the engine loads its model
+        self._tokenizer: Tokenizer | None = None  # loaded by start(), while the engine loads its model
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
+        self._grammar_thread = ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar-check")  # the checker's
         self._engine = InProcessEngine(config) if in_process else EngineProcess(config)
         self.engine_in_own_process = not in_process
         self.info: EngineInfo | None = None
+        self.chat_template: str | None = None  # the model's chat template, once started
         self.stats = EngineStats()  # the engine's counters after its latest step
-        self.admission = Admission(0)  # sized when the engine is ready (event-loop thread only)
         self._live: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._pieces: dict[int, TokenPiece] = {}
+        self._token_bytes: list[bytes] | None = None
+        self._tokenizer_info = None  # xgrammar's TokenizerInfo: each token's exact bytes; built on first use
+        self._checker: GrammarChecker | None = None
+        self._checker_lock = threading.Lock()  # the checker threads make it once
         self.error: BaseException | None = None
         # Called once the engine has failed and every request in flight has its error (``tokenmill serve`` exits).
         self.on_failure: Callable[[BaseException], None] = lambda exc: None
@@ -54,72 +70,92 @@ class EngineClient:
         if self.engine_in_own_process:  # load it while the child loads the model
             tokenizer = self._tokenizer_thread.submit(load_tokenizer)
             self.info = self._engine.start(self._on_step, self._on_dead)
-            self.tokenizer = tokenizer.result()
+            self._tokenizer = tokenizer.result()
         else:  # one process: transformers' lazy imports are not safe to race from two threads
             self.info = self._engine.start(self._on_step, self._on_dead)
-            self.tokenizer = load_tokenizer()
-        self.admission = Admission(int(self.info.kv_capacity_tokens * self.config.admission_overcommit))
+            self._tokenizer = load_tokenizer()
+        self.chat_template = self._tokenizer.hf.chat_template
         return self.info
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine (SIGKILL after ``timeout`` seconds; at once for 0) and the grammar checker."""
         self._engine.stop(timeout)
-        self._tokenizer_thread.shutdown(wait=False)
+        if self._checker is not None:
+            self._checker.close()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self._grammar_thread.shutdown(wait=False, cancel_futures=True)
 
     @property
     def healthy(self) -> bool:
         return self.info is not None and self.error is None
 
-    @property
-    def admission_limit(self) -> int:
-        return self.admission.limit
-
-    @property
-    def promised_tokens(self) -> int:
-        return self.admission.promised_tokens
-
-    @property
-    def saturation(self) -> float:
-        """Promised tokens over the admission limit: 1.0 means new requests are being refused."""
-        return self.promised_tokens / self.admission_limit if self.admission_limit else 0.0
-
     # --- tokenizer, off the event loop
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._off_loop(self.tokenizer.encode, text, add_special_tokens)
+        return await self._off_loop(self._tokenizer.encode, text, add_special_tokens)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                                   tools: list[dict] | None = None) -> list[int]:
-        return await self._off_loop(self.tokenizer.apply_chat_template, messages, add_generation_prompt, tools)
+        return await self._off_loop(self._tokenizer.apply_chat_template, messages, add_generation_prompt, tools)
 
-    async def decode(self, token_ids: list[int]) -> str:
-        return await self._off_loop(self.tokenizer.decode, token_ids, False)
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return await self._off_loop(self._tokenizer.decode, token_ids, skip_special_tokens)
+
+    async def token_strings(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary's own strings of these tokens (byte-level pieces as the tokenizer spells them)."""
+        return await self._off_loop(self._tokenizer.hf.convert_ids_to_tokens, token_ids)
+
+    async def token_pieces(self, token_ids: Sequence[int]) -> list[TokenPiece]:
+        """Each token's text and exact bytes (remembered: a token is decoded once per server)."""
+        missing = [t for t in dict.fromkeys(token_ids) if t not in self._pieces]
+        if missing:
+            self._pieces.update(await self._off_loop(self._make_pieces, missing))
+        return [self._pieces[t] for t in token_ids]
+
+    def _make_pieces(self, token_ids: list[int]) -> dict[int, TokenPiece]:
+        if self._token_bytes is None:
+            self._token_bytes = list(self._xgrammar_tokenizer_info().decoded_vocab)
+        table = self._token_bytes
+        return {t: TokenPiece(self._tokenizer.decode([t], skip_special_tokens=False),
+                              list(table[t]) if t < len(table) else []) for t in token_ids}
+
+    def _xgrammar_tokenizer_info(self):
+        if self._tokenizer_info is None:
+            import xgrammar as xgr
+
+            self._tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+                self._tokenizer.hf, vocab_size=self.info.vocab_size, stop_token_ids=list(self.info.eos_token_ids))
+        return self._tokenizer_info
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     # --- requests
-    def make_request(self, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-                     request_id: str | None = None, cache_salt: str | None = None) -> EngineRequest:
-        """Validate against the loaded model (ValueError naming the problem) into a plain-data request."""
-        max_tokens = validate_request(self.info, prompt_token_ids, params)
-        return EngineRequest(request_id or uuid.uuid4().hex, list(prompt_token_ids), params, max_tokens,
-                             arrival_time, cache_salt)
+    async def check_grammar(self, spec: GrammarSpec) -> None:
+        """Compile and try ``spec`` within the configured time and size budget (structured/checker.py); raises
+        GrammarError, or its GrammarBudgetError, saying why not. A checker that cannot run lets the grammar through
+        (logged): the engine keeps its own budget on every grammar."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._grammar_thread, self._check_grammar, spec)
+        except CheckerUnavailable as exc:
+            log.error("grammar not checked before admission: %s", exc)
 
-    def reserve(self, requests: list[EngineRequest]) -> bool:
-        """Admit ``requests`` together if their promise (prompt + max_tokens) fits, reserving it."""
-        return self.admission.reserve({r.request_id: len(r.prompt_token_ids) + r.max_tokens for r in requests})
+    def _check_grammar(self, spec: GrammarSpec) -> None:
+        with self._checker_lock:
+            if self._checker is None:
+                info = self._tokenizer_thread.submit(self._xgrammar_tokenizer_info).result()
+                self._checker = GrammarChecker(info.serialize_json(), list(self.info.eos_token_ids),
+                                               self.config.grammar_timeout, self.config.grammar_max_bytes)
+        self._checker.check(spec)
 
-    def retry_after(self, requests: list[EngineRequest]) -> int:
-        """Seconds a refused client should wait before ``requests`` would fit."""
-        return self.admission.retry_after(sum(len(r.prompt_token_ids) + r.max_tokens for r in requests))
-
-    def release(self, request_ids: list[str]) -> None:
-        """Give back reservations (idempotent: a request's own end already released it)."""
-        self.admission.release(request_ids)
+    def make_requests(self, prompts: Sequence[list[int]], params: SamplingParams, arrival_time: float,
+                      cache_salt: str | None = None) -> list[EngineRequest]:
+        """Validated engine requests, ``params.n`` per prompt (make_engine_requests: SamplingParamError or
+        PromptError naming the problem)."""
+        return make_engine_requests(self.info, prompts, params, arrival_time, cache_salt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit ``request`` and yield its outputs until it finishes. Closing the iterator early (the client
-        went away, the handler was cancelled) aborts the request and frees its KV blocks. Its reservation,
-        if any, is released at the end."""
+        went away, the handler was cancelled) aborts the request and frees its KV blocks."""
         if self.error is not None:
             raise EngineDeadError(str(self.error))
         self._loop = asyncio.get_running_loop()
@@ -139,7 +175,6 @@ class EngineClient:
                     return
         finally:
             self._live.pop(rid, None)
-            self.release([rid])
             if not finished and self.error is None:
                 self._engine.abort(rid)
 

@@ -10,12 +10,13 @@ Times are ``time.monotonic()`` seconds: one system-wide clock (CLOCK_MONOTONIC),
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
-from tokenmill.sampling.params import SamplingParams
-
-# Per token: (logprob of the sampled token, [(token id, logprob)] top candidates).
-TokenLogprobs = tuple[float, list[tuple[int, float]]]
+from tokenmill.sampling.params import SamplingParamError, SamplingParams
+from tokenmill.scheduler.output import TokenLogprobs
 
 
 @dataclass
@@ -41,13 +42,15 @@ class RequestOutput:
     finished: bool = False
     # Prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details.cached_tokens).
     num_cached_tokens: int = 0
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    # The matched stop string or stop token id; None for EOS, length and abort.
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # The matched stop string or stop token id; None for EOS, length, abort and error.
     stop_reason: int | str | None = None
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Engine timing marks: when the request was first scheduled, when these tokens were sampled.
     first_scheduled_time: float | None = None
     token_time: float | None = None
+    # finish_reason "error": why the engine refused the request while running it (its grammar's budget, say).
+    error: str | None = None
 
 
 @dataclass
@@ -112,3 +115,33 @@ def validate_request(info: EngineInfo, prompt_token_ids: list[int], params: Samp
             f"{len(prompt_token_ids) + wanted} tokens ({len(prompt_token_ids)} in the prompt, {wanted} for "
             f"the completion). Please reduce the prompt or the completion length.")
     return wanted
+
+
+class PromptError(ValueError):
+    """A prompt (or its context length) is invalid; ``index`` says which of a request's prompts."""
+
+    def __init__(self, index: int, cause: ValueError):
+        super().__init__(str(cause))
+        self.index, self.cause = index, cause
+
+
+def make_engine_requests(info: EngineInfo, prompts: Sequence[list[int]], params: SamplingParams, arrival_time: float,
+                         cache_salt: str | None = None, new_id: Callable[[], str] = lambda: uuid.uuid4().hex
+                         ) -> list[EngineRequest]:
+    """The one front-end path (``LLM`` and the server): validate each prompt with ``params`` against the loaded model,
+    then fan out ``params.n`` choices per prompt, prompt-major. Each choice is its own request with n = 1; seeded
+    choices get distinct, reproducible seeds (seed + choice index). Raises SamplingParamError (a bad parameter) or
+    PromptError (which prompt, and why: its ``cause`` is a ContextLengthError or a ValueError)."""
+    requests = []
+    for index, prompt in enumerate(prompts):
+        try:
+            max_tokens = validate_request(info, prompt, params)
+        except SamplingParamError:
+            raise  # the parameters, not this prompt
+        except ValueError as exc:
+            raise PromptError(index, exc) from None
+        for choice in range(params.n):
+            seed = None if params.seed is None else params.seed + choice
+            one = params if params.n == 1 else dataclasses.replace(params, n=1, seed=seed)
+            requests.append(EngineRequest(new_id(), list(prompt), one, max_tokens, arrival_time, cache_salt))
+    return requests

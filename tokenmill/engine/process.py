@@ -7,7 +7,10 @@ The child process talks ZeroMQ (PUSH/PULL over ipc sockets) with msgspec's msgpa
 multiprocessing pipes with pickle (benchmarks/transport.py: a 256-request step's round trip 1.4 ms vs 2.6 ms).
 Every frame is ``[kind, payload]``. The API side watches the child's process sentinel next to the socket, so a
 child that dies (killed, out of memory) is noticed within one poll, never waited on. The child ignores SIGINT and
-SIGTERM (the API process decides when it stops: after its drain) and exits when its parent is gone.
+SIGTERM (the API process decides when it stops: after its drain) and never outlives its parent: a watchdog thread
+waits on the parent's sentinel and ends the process the moment the parent is gone, however it went (SIGKILL
+included) and whatever the engine is doing (a step deep in native code included). Stopping it asks first and kills
+(SIGKILL) after a timeout; a message to a child that has already exited is never waited on.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import zmq
 from tokenmill.config import EngineConfig
 from tokenmill.engine.messages import EngineInfo, EngineRequest, RequestOutput, StepOutputs
 from tokenmill.logs import configure_logging
+from tokenmill.runtime import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +103,7 @@ class InProcessEngine:
 
 def apply_commands(core, adds: list[EngineRequest], aborts: list[str]) -> StepOutputs:
     """Queue ``adds``, apply ``aborts``, then run one step if there is work; aborts are reported as outputs, and so
-    is a request the engine refused (a grammar that does not compile: the API process validated it, so this is rare)."""
+    is a request the engine refused (a duplicate id: the API side makes them unique, so this is a bug's trace)."""
     refused = []
     for request in adds:
         try:
@@ -138,7 +142,7 @@ class EngineProcess:
         """Spawn the child and wait until it has loaded the model (or failed to)."""
         ctx = mp.get_context("spawn")  # never fork a process that may hold torch threads or CUDA state
         self.process = ctx.Process(target=run_engine_process, name="tokenmill-engine", daemon=True,
-                                   args=(self.config.model_dump(), self._to_engine, self._from_engine, os.getpid()))
+                                   args=(self.config.model_dump(), self._to_engine, self._from_engine))
         self.process.start()
         # The child ignores SIGTERM, which is how multiprocessing's own exit hook stops daemons: stop it ourselves,
         # whatever way this process exits (this hook runs before multiprocessing's).
@@ -163,13 +167,18 @@ class EngineProcess:
         self._send(_ABORT, [request_id])
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ask the child to stop, kill it if it does not within ``timeout`` seconds. Idempotent."""
+        """Ask the child to stop, kill it (SIGKILL) if it has not within ``timeout`` seconds (at once for 0).
+        Idempotent."""
         if self._stopping:
             return
         self._stopping = True
         if self.process is not None and self.process.is_alive():
-            self._send(_STOP, None)
-            self.process.join(timeout)
+            if timeout > 0:
+                try:
+                    self._send(_STOP, None, block=False)
+                except zmq.Again:  # the child is not reading (exiting, or gone): nothing to wait for
+                    pass
+                self.process.join(timeout)
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join()
@@ -179,9 +188,10 @@ class EngineProcess:
         self._pull.close(linger=0)
         self._zmq.term()
 
-    def _send(self, kind: bytes, payload: Any) -> None:
+    def _send(self, kind: bytes, payload: Any, block: bool = True) -> None:
         with self._send_lock:
-            self._push.send_multipart([kind, self._encoder.encode(payload)], copy=False)
+            self._push.send_multipart([kind, self._encoder.encode(payload)], copy=False,
+                                      flags=0 if block else zmq.NOBLOCK)
 
     def _receive(self) -> tuple[bytes, bytes]:
         """The next frame from the child; raises EngineDeadError if the child exits first."""
@@ -208,8 +218,9 @@ class EngineProcess:
                 on_dead(exc)
 
 
-def run_engine_process(config: dict[str, Any], to_engine: str, from_engine: str, parent_pid: int) -> None:
+def run_engine_process(config: dict[str, Any], to_engine: str, from_engine: str) -> None:
     """The child's main: load the engine core, report ready, then loop (commands in, one StepOutputs per step out)."""
+    exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process stops us, after its drain
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
@@ -229,7 +240,7 @@ def run_engine_process(config: dict[str, Any], to_engine: str, from_engine: str,
         return
     push.send_multipart([_READY, encoder.encode(core.info)])
     try:
-        _serve(core, pull, push, encoder, parent_pid)
+        _serve(core, pull, push, encoder)
     except BaseException as exc:  # noqa: BLE001 - a failed step (a dead tensor-parallel rank): tell the API first
         push.send_multipart([_ERROR, encoder.encode(f"{type(exc).__name__}: {exc}")])
         raise
@@ -238,10 +249,15 @@ def run_engine_process(config: dict[str, Any], to_engine: str, from_engine: str,
     push.close(linger=1000)
     pull.close(linger=0)
     ctx.term()
+    logging.shutdown()
+    os._exit(0)  # no interpreter teardown: a grammar thread may still be inside an xgrammar call (engine/grammar.py)
 
 
-def _serve(core, pull, push, encoder, parent_pid: int) -> None:
+def _serve(core, pull, push, encoder) -> None:
+    """Commands in, one StepOutputs per step out -- but for a step that changed nothing (every request waiting for its
+    grammar: the loop then ticks every few milliseconds), which is not sent."""
     request_decoder, ids_decoder = msgspec.msgpack.Decoder(EngineRequest), msgspec.msgpack.Decoder(list[str])
+    sent_stats = None
     while True:
         adds, aborts = [], []
         idle = not core.has_unfinished()
@@ -254,7 +270,8 @@ def _serve(core, pull, push, encoder, parent_pid: int) -> None:
             elif kind == _ABORT:
                 aborts += ids_decoder.decode(payload)
             idle = False
-        if os.getppid() != parent_pid:
-            return  # orphaned: the API process is gone
         if adds or aborts or core.has_unfinished():
-            push.send_multipart([_STEP, encoder.encode(apply_commands(core, adds, aborts))], copy=False)
+            step = apply_commands(core, adds, aborts)
+            if step.outputs or step.stats != sent_stats:
+                push.send_multipart([_STEP, encoder.encode(step)], copy=False)
+                sent_stats = step.stats

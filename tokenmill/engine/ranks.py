@@ -1,9 +1,10 @@
 """The worker ranks of a tensor-parallel engine, and the loop each of them runs.
 
-The engine core is rank 0: it schedules, and before each step it broadcasts the step's ``SchedulerOutput`` (plain
-data) to ranks 1..N-1, which run the same model runner over their shards and report nothing (their sampled tokens are
-rank 0's: distributed/group.py). Ranks 1..N-1 are processes of their own, joined over a TCP store that rank 0 hosts;
-once joined, rank 0 broadcasts the configuration every rank runs under (``ranks_config``). Two launches:
+The engine core is rank 0: it schedules, and before each step it broadcasts the step's ``SchedulerOutput`` and
+``GrammarOutput`` (plain data) to ranks 1..N-1, which run the same model runner over their shards and report nothing
+(their sampled tokens are rank 0's: distributed/group.py). Ranks 1..N-1 are processes of their own, joined over a TCP
+store that rank 0 hosts; once joined, rank 0 broadcasts the configuration and the choices settled for every rank
+(engine/settle.py: dtype, threads, kernels, drafting are decided once, on rank 0). Two launches:
 - one node (``--tensor-parallel-size N``): the engine core starts ranks 1..N-1 (``python -m tokenmill.engine.ranks``)
   on this host; rank r runs on cuda:r, or on the CPU with gloo;
 - several nodes: torchrun (or RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set by hand) starts
@@ -28,13 +29,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.distributed.group import TIMEOUT, TensorParallel
-from tokenmill.engine.worker import dtype_name, resolve_dtype
+from tokenmill.engine.build import build_rank_runner
+from tokenmill.engine.settle import Settled
 from tokenmill.logs import configure_logging
-from tokenmill.models.base import DecoderLM
-from tokenmill.models.config import ModelConfig, tp_split
-from tokenmill.models.registry import model_class_for
 
 log = logging.getLogger(__name__)
 
@@ -43,42 +42,19 @@ class RankFailedError(RuntimeError):
     """A tensor-parallel rank exited or a collective with it failed: the engine cannot go on."""
 
 
-def ranks_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
-    """The configuration every rank runs under, settled on rank 0 before the workers start: the model must split
-    over the ranks (a ConfigError says why not), the ``auto`` dtype is measured once here (ranks must agree), and on a
-    CPU the cores are shared out (one thread per rank on 2 cores) unless ``num_threads`` says otherwise."""
-    size = config.tensor_parallel_size
-    if model_class_for(model_config).weight_shard is DecoderLM.weight_shard:
-        raise ConfigError(f"tensor parallelism is not built for {model_config.architecture} yet")
-    try:
-        tp_split(model_config.num_heads, size, "the attention heads")
-        tp_split(model_config.intermediate_size, size, "the MLP width")
-        model_config.local_kv_heads(size)
-        if model_config.moe:
-            tp_split(model_config.moe.num_experts, size, "the routed experts")
-            tp_split(model_config.moe.intermediate_size * model_config.moe.num_shared_experts, size,
-                     "the shared experts' width")
-    except ValueError as exc:
-        raise ConfigError(f"--tensor-parallel-size {size}: {exc}") from None
-    device = rank_device(config, 0)
-    dtype = resolve_dtype(config, device, (model_config.intermediate_size, model_config.hidden_size))
-    threads = config.num_threads or (max(1, len(os.sched_getaffinity(0)) // size) if device.type == "cpu" else None)
-    return config.model_copy(update={"dtype": dtype_name(dtype), "num_threads": threads})
-
-
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
+def rank_device(config: EngineConfig, settled: Settled, rank: int) -> torch.device:
     """cuda:LOCAL_RANK in a multi-node launch, cuda:rank on one node; the CPU without CUDA."""
-    if config.resolved_device() != "cuda":
+    if settled.device != "cuda":
         return torch.device("cpu")
     return torch.device("cuda", config.local_rank if config.world_size else rank)
 
 
 class WorkerRanks:
     """Ranks 1..N-1 -- child processes of the engine core on one node, or torchrun's elsewhere -- joined with the
-    engine core as rank 0; they receive ``config`` (settled by ``ranks_config``) once joined."""
+    engine core as rank 0; they receive ``config`` and ``settled`` once joined."""
 
-    def __init__(self, config: EngineConfig):
-        size = config.tensor_parallel_size
+    def __init__(self, config: EngineConfig, settled: Settled):
+        size = settled.tensor_parallel_size
         self.procs: list[subprocess.Popen] = []
         if config.world_size:  # torchrun started the others; they meet on the port after its own
             store = dist.TCPStore("0.0.0.0", config.master_port + 1, size, is_master=True, timeout=TIMEOUT,
@@ -87,11 +63,11 @@ class WorkerRanks:
         else:
             store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
             self.procs = [subprocess.Popen([sys.executable, "-m", "tokenmill.engine.ranks", str(rank), str(size),
-                                            "127.0.0.1", str(store.port), str(rank_device(config, rank)),
+                                            "127.0.0.1", str(store.port), str(rank_device(config, settled, rank)),
                                             str(os.getpid())]) for rank in range(1, size)]
             log.info("tensor parallel: %d ranks, workers pid %s", size, ", ".join(str(p.pid) for p in self.procs))
-        self.tp = TensorParallel.join(store, 0, size, rank_device(config, 0))
-        self.tp.broadcast_object(config.model_dump())
+        self.tp = TensorParallel.join(store, 0, size, rank_device(config, settled, 0))
+        self.tp.broadcast_object((config.model_dump(), settled.to_dict()))
         self._store = store  # the workers' rendezvous and the group's: kept alive with the group
         self._closed = False
 
@@ -113,11 +89,11 @@ class WorkerRanks:
                 return None
             time.sleep(0.05)
 
-    def broadcast_step(self, out) -> None:
-        """Send one step's SchedulerOutput to every worker (each runs it as rank 0 does)."""
+    def broadcast_step(self, out, grammar) -> None:
+        """Send one step's SchedulerOutput and GrammarOutput to every worker (each runs them as rank 0 does)."""
         self.check()
         try:
-            self.tp.broadcast_object(out)
+            self.tp.broadcast_object((out, grammar))
         except RuntimeError as exc:
             raise RankFailedError(f"a tensor-parallel rank failed: {exc}") from None
 
@@ -153,21 +129,20 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 def worker_main(rank: int, size: int, host: str, port: int, device: torch.device,
                 local_rank: int | None = None) -> int:
-    """Rank ``rank`` >= 1 on ``device``: join, take rank 0's configuration, load this rank's shard, then run every step
-    rank 0 broadcasts until None. ``local_rank``: set in a multi-node launch (the rest of the config is rank 0's)."""
-    from tokenmill.engine.core import build_rank_runner
-
+    """Rank ``rank`` >= 1 on ``device``: join, take rank 0's configuration and settled choices, load this rank's shard,
+    then run every step rank 0 broadcasts until None. ``local_rank``: set in a multi-node launch (the rest of the
+    config is rank 0's)."""
     store = dist.TCPStore(host, port, size, is_master=False, timeout=TIMEOUT)
     tp = TensorParallel.join(store, rank, size, device)
-    settled = tp.broadcast_object()
+    fields, settled = tp.broadcast_object()
     if local_rank is not None:
-        settled.update(rank=rank, local_rank=local_rank)
-    config = EngineConfig(**settled)
+        fields.update(rank=rank, local_rank=local_rank)
+    config = EngineConfig(**fields)
     configure_logging(config.log_json)
-    runner = build_rank_runner(config, tp)
+    runner = build_rank_runner(config, Settled(**settled), tp)
     try:
-        while (out := tp.broadcast_object()) is not None:
-            runner.execute(out)
+        while (step := tp.broadcast_object()) is not None:
+            runner.execute(*step)
     except RuntimeError as exc:  # rank 0 or another rank is gone
         log.error("tensor-parallel rank %d stops: %s", rank, exc)
         return 1
@@ -179,8 +154,12 @@ def run_rank(config: EngineConfig) -> int:
     configure_logging(config.log_json)
     log.info("rank %d of %d: joining rank 0 at %s:%d", config.rank, config.world_size, config.master_addr,
              config.master_port + 1)
-    return worker_main(config.rank, config.world_size, config.master_addr, config.master_port + 1,
-                       rank_device(config, config.rank), config.local_rank)
+    # The group's backend (NCCL or gloo) comes with the device, before rank 0's settled choices can arrive: the
+    # same rule as settle's, on this node.
+    device = torch.device("cuda", config.local_rank) if config.device != "cpu" and torch.cuda.is_available() \
+        else torch.device("cpu")
+    return worker_main(config.rank, config.world_size, config.master_addr, config.master_port + 1, device,
+                       config.local_rank)
 
 
 if __name__ == "__main__":  # a rank started by the engine core on this node

@@ -7,36 +7,30 @@ the token sampled before it; then the first token sampled after the accepted dra
 drafts proposed without a distribution (n-gram), this is the standard rejection rule: draft x is accepted with
 probability p(x), and a rejection leaves a token drawn from p without x, renormalized. So outputs keep the target
 distribution, and greedy or seeded requests get exactly the tokens they get without speculation.
+
+Drafts for the next step come from the runner's proposer (speculative/proposer.py: n-gram or MTP), after sampling,
+and go back in the output with the sampled tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+import numpy as np
 import torch
 
 from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.input_batch import InputBatch, StepInputs
-from tokenmill.engine.messages import TokenLogprobs
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.sampling.sampler import Sampler, to_host
-from tokenmill.scheduler.output import SchedulerOutput
-
-
-@dataclass
-class RunnerOutput:
-    # request id -> its tokens (accepted drafts, then one sampled), for the requests that sampled.
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one per token, for those that asked
-    drafts: dict[str, list[int]] = field(default_factory=dict)  # from a drafter inside the model (MTP), per sampler
+from tokenmill.scheduler.output import GrammarOutput, RunnerOutput, SchedulerOutput
+from tokenmill.speculative.proposer import DraftContext, Proposer
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str, max_num_seqs: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...], seed: int = 0, drafter=None,
+                 max_model_len: int, eos_token_ids: tuple[int, ...], seed: int = 0, proposer: Proposer | None = None,
                  graphs: DecodeGraphs | None = None):
         self.model = model
-        self.drafter = drafter  # speculative/mtp.py's MTPDrafter, or None
+        self.proposer = proposer  # drafts for the next step (speculative/), or None
         self.graphs = graphs  # pure decode steps replay CUDA graphs (engine/cuda_graphs.py)
         self.kv_cache = kv_cache
         self.device = torch.device(device)
@@ -53,7 +47,7 @@ class ModelRunner:
             self.batch.update(running)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput, grammar: GrammarOutput | None = None) -> RunnerOutput:
         self.update_batch(out)
         if out.is_empty:
             return RunnerOutput()
@@ -62,18 +56,31 @@ class ModelRunner:
         hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attention) if self.graphs else None
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache)
-        result, kept = self._sample(inputs, hidden, out) if len(inputs.sample_rows) else (RunnerOutput(), [])
-        if self.drafter is not None:  # also when nothing sampled: the drafter's cache must see every position
-            drafts = self.drafter.propose(self.model, self.kv_cache, self.batch, inputs, hidden, kept)
+        bitmasks = grammar.bitmasks if grammar is not None else {}
+        result, kept = self._sample(inputs, hidden, bitmasks) if len(inputs.sample_rows) else (RunnerOutput(), [])
+        if self.proposer is not None:  # also when nothing sampled: a drafter's cache must see every position
+            drafts = self.proposer.draft(self._draft_context(inputs, hidden, kept))
             result.drafts = dict(zip(result.sampled, drafts))
         return result
 
-    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: SchedulerOutput) -> tuple[RunnerOutput, list]:
+    def _draft_context(self, inputs: StepInputs, hidden: torch.Tensor, kept: list[int]) -> DraftContext:
+        rows, batch = inputs.sample_rows, self.batch
+
+        def decode_layout(indices: np.ndarray, positions: np.ndarray):
+            return batch.attention(rows[indices], np.ones(len(indices), dtype=np.int64), positions)[0]
+        return DraftContext(
+            rows=rows, num_kept=np.asarray(kept, dtype=np.int64), token_ids=batch.token_ids,
+            num_tokens=batch.num_tokens[rows], positions=inputs.positions, token_rows=inputs.token_rows,
+            token_positions=inputs.token_positions, attention=inputs.attention, hidden=hidden,
+            last_indices=inputs.last_indices, num_samples=inputs.num_samples, num_slots=batch.num_slots(rows),
+            decode_layout=decode_layout)
+
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, bitmasks: dict) -> tuple[RunnerOutput, list]:
         """Sample at every sampled position, accept drafts, append the kept tokens to their rows. Also returns how
         many tokens each sampling row kept."""
         rows = inputs.sample_rows
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        meta = self.batch.sampling_metadata(inputs.position_rows, inputs.position_offsets, out.grammar_bitmasks)
+        meta = self.batch.sampling_metadata(inputs.position_rows, inputs.position_offsets, bitmasks)
         tokens, logprobs = to_host(self.sampler.sample(logits, meta), meta.num_logprobs)
         result, accepted, start = RunnerOutput(), [], 0
         for row, n in zip(rows.tolist(), inputs.num_samples.tolist()):  # n = 1 + the row's drafts

@@ -1,4 +1,5 @@
-"""The one object that flows through the engine: a request, its tokens, its blocks and its timing marks."""
+"""The one object that flows through the engine: a request, its tokens, its blocks and its timing marks. Only the
+scheduler changes one (scheduler/scheduler.py); everything else reads it or reports to the scheduler."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # refused while running (a grammar over its budget): the API answers with an error
 
     @property
     def finished(self) -> bool:
@@ -54,8 +56,10 @@ class Request:
     num_cached_tokens: int = 0
     # Draft tokens to verify in the next step (speculative decoding); proposed after each step, consumed by the next.
     spec_token_ids: list[int] = field(default_factory=list)
-    # What stopped the request: a token id, a stop string, or None (EOS, length, abort).
+    # What stopped the request: a token id, a stop string, or None (EOS, length, abort, a complete grammar output).
     stop_reason: int | str | None = None
+    # Why the request ended with FINISHED_ERROR.
+    error: str | None = None
 
     # Timing marks (time.monotonic()).
     first_scheduled_time: float | None = None
@@ -91,16 +95,18 @@ class Request:
         del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
         self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
 
-    def check_token_stop(self) -> RequestStatus | None:
-        """The stop that the last sampled token triggers, if any (stop strings are the detokenizer's)."""
+    def first_token_stop(self, new_token_ids: list[int]) -> tuple[int, RequestStatus, int | None] | None:
+        """Where appending ``new_token_ids`` would end the request by a token stop, without changing it: (index of the
+        token that ends it, the status, the stop reason -- a stop token id, or None for EOS and length). Stop strings
+        and grammars are the reporters' (scheduler/output.py's OutputReports)."""
         params = self.sampling_params
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids:
-                self.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
+        for i, token in enumerate(new_token_ids):
+            num_outputs = self.num_output_tokens + i + 1
+            if num_outputs >= params.min_tokens:
+                if not params.ignore_eos and token in self.eos_token_ids:
+                    return i, RequestStatus.FINISHED_STOPPED, None
+                if token in params.stop_token_ids:
+                    return i, RequestStatus.FINISHED_STOPPED, token
+            if num_outputs >= self.max_tokens:
+                return i, RequestStatus.FINISHED_LENGTH, None
         return None

@@ -12,57 +12,40 @@ found become its computed prefix, so a prefix hit is just a request that starts 
 After each step, the blocks a step completed are offered to the cache.
 
 Speculative decoding is the same rule with more known tokens: a decoding request with draft tokens
-(``spec_token_ids``, proposed by the engine after the last step) is scheduled for its last token plus the drafts;
-the runner samples at every one of those positions and returns the accepted drafts plus one token of its own.
-``update`` then takes back the computed count of the rejected drafts (their KV slots are overwritten by the next
-step, and blocks that only held them go back to the pool). A drafter inside the model (DeepSeek's MTP) writes its own
+(``spec_token_ids``, proposed by the runner's proposer in the last step) is scheduled for its last token plus the
+drafts; the runner samples at every one of those positions and returns the accepted drafts plus one token of its own.
+``update_from_output`` then takes back the computed count of the rejected drafts (their KV slots are overwritten by
+the next step, and blocks that only held them go back to the pool). A drafter inside the model (DeepSeek's MTP) writes its own
 cache a few positions past a request's scheduled tokens: ``num_lookahead_tokens`` reserves those slots for each
 request that samples, from blocks left free once the step is scheduled (never at the cost of a preemption).
 
 The runner hears of all this only through ``SchedulerOutput`` (scheduler/output.py): a request enters its batch
 when admitted, sends block diffs while it runs, and leaves when it finishes, is aborted or is preempted.
+
+``update_from_output`` is the one place a request changes after it is scheduled: its new tokens, its stops (token
+stops here; stop strings and a grammar's completion as the engine's reporters found them), its drafts for the next
+step, its first-token time and its finish. A request whose grammar is still being prepared (``blocked``) is passed
+over by ``schedule`` until it is ready, and keeps its place.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenmill.kvcache.manager import KVCacheManager
-from tokenmill.scheduler.output import NewRequestData, RunningRequestData, SchedulerOutput
+from tokenmill.scheduler.output import (Kept, NewRequestData, OutputReports, RunnerOutput, RunningRequestData,
+                                       SchedulerOutput, Stop)
 from tokenmill.scheduler.request import Request, RequestStatus
+from tokenmill.scheduler.stats import SchedulerStats, SpecStats
 
 
 @dataclass
-class SpecStats:
-    """Speculative decoding counters: drafts verified and accepted, in all and by draft position (0 = first);
-    accepted / drafted at a position is the acceptance rate there."""
-    num_draft_tokens_total: int = 0
-    num_accepted_tokens_total: int = 0
-    drafted_by_position: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
-
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        self.num_draft_tokens_total += num_drafts
-        self.num_accepted_tokens_total += num_accepted
-        for counts in (self.drafted_by_position, self.accepted_by_position):
-            if len(counts) < num_drafts:
-                counts += [0] * (num_drafts - len(counts))
-        for position in range(num_drafts):
-            self.drafted_by_position[position] += 1
-            self.accepted_by_position[position] += position < num_accepted
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions_total: int
-    prefix_cache_queries_total: int
-    prefix_cache_hits_total: int
-    spec: SpecStats
+class RequestUpdate:
+    """A request after a step (finished ones included) and the tokens it kept in that step."""
+    request: Request
+    new_token_ids: list[int]
 
 
 class Scheduler:
@@ -88,7 +71,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, blocked: frozenset[str] | set[str] = frozenset()) -> SchedulerOutput:
+        """One step's work; requests in ``blocked`` are passed over (running ones keep their blocks, waiting ones
+        their place in the queue)."""
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.max_num_batched_tokens
@@ -97,6 +82,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.request_id in blocked:
+                i += 1
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             known_blocks = len(request.block_ids)
             drafts = self._drafts(request, n, budget)
@@ -114,14 +102,16 @@ class Scheduler:
             i += 1
 
         # Admitting while preempting would only thrash: wait for a step that needs no preemption.
-        while not out.preempted_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        admissible = [] if out.preempted_ids else [r for r in self.waiting if r.request_id not in blocked]
+        for request in admissible:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             hits = self.kv.find_cached_prefix(request)
             num_hit_tokens = len(hits) * self.kv.block_size
             n = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(request, n, hits):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.kv.record_prefix_query(request.num_tokens, num_hit_tokens)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
@@ -180,35 +170,83 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance each scheduled request past its computed tokens, less its rejected drafts; append the tokens
-        sampled for it (accepted drafts, then the runner's own), stopping at the first that ends it.
-        Returns the requests that a token stop (EOS, stop token, length) finished here."""
-        finished = []
+    def kept_tokens(self, result: RunnerOutput) -> dict[str, Kept]:
+        """Each sampling request's tokens as far as its token stops let it keep them (read only: what the reporters
+        read before ``update_from_output`` applies everything)."""
+        kept = {}
+        for request_id, tokens in result.sampled.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                stop = request.first_token_stop(tokens)
+                kept[request_id] = Kept(tokens[:stop[0] + 1], True) if stop else Kept(list(tokens), False)
+        return kept
+
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput, reports: OutputReports,
+                           now: float | None = None) -> list[RequestUpdate]:
+        """Apply one step: advance each scheduled request past its computed tokens, less its rejected drafts; append
+        its sampled tokens up to the first that ends it -- a token stop, or a reporter's stop (a stop string or the
+        grammar's completion; at the same token, the reporter's stop and its reason win); set its drafts for the next
+        step, its first-token time, its finish. Errors come first (such a request keeps nothing of the step), late
+        grammar completions (of requests not scheduled now) last. Returns what changed: each request's state and the
+        tokens it kept."""
+        now = time.monotonic() if now is None else now
+        updates = []
+        for request_id, error in reports.errors.items():  # first: an errored request keeps nothing of this step
+            if (request := self.requests.get(request_id)) is not None:
+                request.error = error
+                self.finish(request, RequestStatus.FINISHED_ERROR)
+                updates.append(RequestUpdate(request, []))
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            request.spec_token_ids = []
-            tokens = sampled.get(request_id, [])
-            drafts = out.spec_token_ids.get(request_id)
-            num_rejected = len(drafts) - (len(tokens) - 1) if drafts else 0
-            request.num_computed_tokens += num_tokens - num_rejected
-            if drafts:
-                self.spec.record(len(drafts), len(tokens) - 1)
-                self.kv.release_tail(request)
-            status = None
-            for token in tokens:
-                request.append_output_token(token)
-                status = request.check_token_stop()
-                if status is not None:  # accepted drafts after a stop are dropped, and so is their KV
-                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-                    break
+            tokens = self._advance(request, num_tokens, out.spec_token_ids.get(request_id), result)
+            kept, status = self._append(request, tokens, reports.stops.get(request_id))
+            if kept and request.first_token_time is None:
+                request.first_token_time = now
+            if status is None and request_id in result.sampled:
+                request.spec_token_ids = reports.drafts.get(request_id, result.drafts.get(request_id, []))
             self.kv.cache_computed_blocks(request)
             if status is not None:
                 self.finish(request, status)
-                finished.append(request)
-        return finished
+            if request_id in result.sampled:
+                updates.append(RequestUpdate(request, kept))
+        for request_id in reports.completed:
+            if (request := self.requests.get(request_id)) is not None:
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                updates.append(RequestUpdate(request, []))
+        return updates
+
+    def _advance(self, request: Request, num_tokens: int, drafts: list[int] | None, result: RunnerOutput) -> list[int]:
+        """Count the step's computed tokens, less the rejected drafts (blocks that held only those go back); returns
+        the tokens sampled for the request (empty for a prefill chunk that samples nothing)."""
+        request.spec_token_ids = []
+        tokens = result.sampled.get(request.request_id, [])
+        num_rejected = len(drafts) - (len(tokens) - 1) if drafts else 0
+        request.num_computed_tokens += num_tokens - num_rejected
+        if drafts:
+            self.spec.record(len(drafts), len(tokens) - 1)
+            self.kv.release_tail(request)
+        return tokens
+
+    @staticmethod
+    def _append(request: Request, tokens: list[int], reported: Stop | None) -> tuple[list[int], RequestStatus | None]:
+        """Append ``tokens`` up to the first stop; returns the kept tokens and the status that ends the request. A stop
+        string wins over a token stop at its own token (its reason is the one reported); a grammar's completion at
+        the token stop's own token leaves the token stop's status (a complete output at max_tokens is "length")."""
+        token_stop = request.first_token_stop(tokens)
+        end, status, reason = (token_stop[0] + 1, token_stop[1], token_stop[2]) if token_stop \
+            else (len(tokens), None, None)
+        if reported is not None and (reported.reason is not None or status is None or reported.index < end - 1):
+            end, status, reason = reported.index + 1, RequestStatus.FINISHED_STOPPED, reported.reason
+        if reason is not None:
+            request.stop_reason = reason
+        kept = tokens[:end]
+        for token in kept:
+            request.append_output_token(token)
+        if status is not None:  # accepted drafts after a stop are dropped, and so is their KV
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+        return kept, status
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Finish (or abort) a request wherever it is; its blocks return to the pool. Idempotent."""

@@ -12,7 +12,7 @@ from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.protocol import UNSUPPORTED, ChatCompletionRequest, ChatMessage
 from tokenmill.server.serving import ServerContext, Tracker, make_requests, merged_outputs, sampling_params
-from tokenmill.server.structured import requested_grammar
+from tokenmill.server.structured import check, requested_grammar
 from tokenmill.server.tool_calls import ToolPlan, plan_tools, tool_calls_message
 from tokenmill.tools.parser import ToolCallParser
 from tokenmill.tools.prompt import render_messages
@@ -49,30 +49,43 @@ def openai_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name: str | None,
-                       arrival: float) -> Tracker:
-    _reject_unsupported(body)
-    plan = plan_tools(ctx, body)
-    constraint = requested_grammar(body)
-    if plan.active and constraint is not None:
-        raise bad_request("an output constraint cannot be combined with tools unless tool_choice is 'none'",
-                          param=constraint[0])
+async def render_chat(ctx: ServerContext, messages: list[ChatMessage], tools: list | None, tool_choice,
+                      parallel_tool_calls: bool = True, add_generation_prompt: bool = True,
+                      check_grammars: bool = True) -> tuple[list[int], ToolPlan]:
+    """A conversation -> its prompt tokens, and how its tools are served: the one rendering that chat completions and
+    /tokenize share (the tools a plan leaves out are left out of both)."""
+    plan = await plan_tools(ctx, tools, tool_choice, parallel_tool_calls, check_grammars)
     try:
-        messages = render_messages(openai_messages(body.messages), plan.tools, ctx.tool_format, plan.native)
+        rendered = render_messages(openai_messages(messages), plan.tools, ctx.tool_format, plan.native)
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
     try:
-        prompt = await ctx.client.apply_chat_template(messages, tools=plan.tools if plan.native else None)
+        prompt = await ctx.client.apply_chat_template(rendered, add_generation_prompt,
+                                                      tools=plan.tools if plan.native else None)
     except Exception as exc:  # a template may raise anything (jinja errors, its own raise_exception)
         raise bad_request(f"the chat template refused these messages: {exc}", param="messages") from None
+    return prompt, plan
+
+
+async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name: str | None,
+                       arrival: float) -> Tracker:
+    _reject_unsupported(body)
+    constraint = requested_grammar(body)
+    if constraint is not None and body.tools and body.tool_choice != "none":
+        raise bad_request("an output constraint cannot be combined with tools unless tool_choice is 'none'",
+                          param=constraint[0])
+    prompt, plan = await render_chat(ctx, body.messages, body.tools, body.tool_choice, body.parallel_tool_calls)
+    if constraint is not None:
+        await check(ctx, *constraint)
     top = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, max_tokens, top)
     grammar = plan.grammar or (constraint[1] if constraint else None)
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
-    requests = make_requests(ctx, [prompt], params, body.n, "messages", arrival, body.cache_salt)
-    return Tracker(ctx, "chat", arrival, key_name, requests, tools=plan)
+    requests, reservation = make_requests(ctx, [prompt], params, "messages", arrival, body.cache_salt)
+    return Tracker(ctx, "chat", arrival, key_name, requests, reservation, tools=plan,
+                   grammar_param="tools" if plan.grammar else constraint[0] if constraint else None)
 
 
 def _finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
@@ -80,14 +93,13 @@ def _finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | N
 
 
 async def chat_response(ctx: ServerContext, body: ChatCompletionRequest, tracker: Tracker) -> dict[str, Any]:
-    tokenizer = ctx.client.tokenizer
     texts = [""] * len(tracker.requests)
     logprobs: list[list] = [[] for _ in tracker.requests]
     reasons: list[str | None] = [None] * len(tracker.requests)
     async for index, out in merged_outputs(ctx.client, tracker.requests):
         tracker.observe(out)
         texts[index] += out.delta_text
-        logprobs[index] += chat_logprobs(tokenizer, out)
+        logprobs[index] += await chat_logprobs(ctx.client, out)
         reasons[index] = out.finish_reason
     choices = []
     for i, text in enumerate(texts):
@@ -110,7 +122,6 @@ async def chat_stream(ctx: ServerContext, body: ChatCompletionRequest, tracker: 
 
     Tool calls stream as OpenAI's: a call's first delta carries its index, id, type and name with empty arguments;
     the next ones carry argument fragments, which concatenate to the call's arguments."""
-    tokenizer = ctx.client.tokenizer
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": ctx.model_name, "system_fingerprint": None}
@@ -129,7 +140,7 @@ async def chat_stream(ctx: ServerContext, body: ChatCompletionRequest, tracker: 
     try:
         async for index, out in merged_outputs(ctx.client, tracker.requests):
             tracker.observe(out)
-            lps = chat_logprobs(tokenizer, out) if body.logprobs else None
+            lps = await chat_logprobs(ctx.client, out) if body.logprobs else None
             content, calls, parser = out.delta_text, [], parsers[index]
             if parser is not None:
                 content, calls = parser.feed(out.delta_text)

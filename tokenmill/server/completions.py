@@ -11,8 +11,8 @@ from typing import Any, AsyncIterator
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.logprobs import completion_logprobs
 from tokenmill.server.protocol import CompletionRequest
-from tokenmill.server.structured import requested_grammar
 from tokenmill.server.serving import ServerContext, Tracker, make_requests, merged_outputs, sampling_params
+from tokenmill.server.structured import check, requested_grammar
 
 
 async def _prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
@@ -38,27 +38,27 @@ async def prepare_completion(ctx: ServerContext, body: CompletionRequest, key_na
     params = sampling_params(body, body.max_tokens, body.logprobs)
     constraint = requested_grammar(body)
     if constraint is not None:
+        await check(ctx, *constraint)
         params = dataclasses.replace(params, grammar=constraint[1])
-    requests = make_requests(ctx, prompts, params, body.n, "prompt", arrival, body.cache_salt)
-    return Tracker(ctx, "completions", arrival, key_name, requests)
+    requests, reservation = make_requests(ctx, prompts, params, "prompt", arrival, body.cache_salt)
+    return Tracker(ctx, "completions", arrival, key_name, requests, reservation,
+                   grammar_param=constraint[0] if constraint else None)
 
 
-def _echo_prefixes(ctx: ServerContext, body: CompletionRequest, tracker: Tracker) -> list[str]:
+async def _echo_prefixes(ctx: ServerContext, body: CompletionRequest, tracker: Tracker) -> list[str]:
     if not body.echo:
         return [""] * len(tracker.requests)
-    tokenizer = ctx.client.tokenizer
-    return [tokenizer.decode(r.prompt_token_ids) for r in tracker.requests]
+    return [await ctx.client.decode(r.prompt_token_ids, skip_special_tokens=True) for r in tracker.requests]
 
 
 async def completion_response(ctx: ServerContext, body: CompletionRequest, tracker: Tracker) -> dict[str, Any]:
-    tokenizer = ctx.client.tokenizer
-    texts = _echo_prefixes(ctx, body, tracker)
+    texts = await _echo_prefixes(ctx, body, tracker)
     logprobs = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in texts]
     reasons: list[str | None] = [None] * len(texts)
     async for index, out in merged_outputs(ctx.client, tracker.requests):
         tracker.observe(out)
         if body.logprobs is not None:
-            for key, values in completion_logprobs(tokenizer, out, len(texts[index])).items():
+            for key, values in (await completion_logprobs(ctx.client, out, len(texts[index]))).items():
                 logprobs[index][key] += values
         texts[index] += out.delta_text
         reasons[index] = out.finish_reason
@@ -69,7 +69,6 @@ async def completion_response(ctx: ServerContext, body: CompletionRequest, track
 
 
 async def completion_stream(ctx: ServerContext, body: CompletionRequest, tracker: Tracker) -> AsyncIterator[str]:
-    tokenizer = ctx.client.tokenizer
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": ctx.model_name, "system_fingerprint": None}
@@ -82,14 +81,14 @@ async def completion_stream(ctx: ServerContext, body: CompletionRequest, tracker
             payload["usage"] = None
         return json.dumps(payload)
 
-    for index, prefix in enumerate(_echo_prefixes(ctx, body, tracker)):
+    for index, prefix in enumerate(await _echo_prefixes(ctx, body, tracker)):
         if prefix:
             sent[index] = len(prefix)
             yield chunk(index, prefix, None, None)
     try:
         async for index, out in merged_outputs(ctx.client, tracker.requests):
             tracker.observe(out)
-            lps = completion_logprobs(tokenizer, out, sent[index]) if body.logprobs is not None else None
+            lps = await completion_logprobs(ctx.client, out, sent[index]) if body.logprobs is not None else None
             if out.delta_text or out.finished or lps:
                 sent[index] += len(out.delta_text)
                 yield chunk(index, out.delta_text, out.finish_reason if out.finished else None, lps)

@@ -1,7 +1,10 @@
 """``tokenmill serve``: uvicorn with a SIGTERM that drains.
 
 On SIGTERM: /ready and new /v1 requests turn 503, requests in flight get up to ``shutdown_timeout`` seconds
-to finish, then uvicorn shuts down and the process exits 0. A second SIGTERM, or SIGINT, stops at once.
+to finish, then uvicorn shuts down and the process exits 0. A second SIGTERM, or SIGINT, stops at once. The engine
+process never outlives this one (engine/process.py); after a drain that timed out it is killed at once.
+
+A model that fails to load is logged, uvicorn shuts down, and the process exits 1 within seconds.
 
 When the engine fails (its process or a tensor-parallel rank dies), requests in flight get errors at once, /ready,
 /health and new requests 503, and ``ENGINE_FAILURE_EXIT_DELAY`` seconds later the process exits 1, so that its
@@ -21,11 +24,11 @@ import uvicorn
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.client import EngineClient
+from tokenmill.logs import configure_logging
+from tokenmill.server.admission import Admission
 from tokenmill.server.app import ServerState, build_app
 from tokenmill.server.auth import Authenticator, load_keys
-from tokenmill.logs import configure_logging
 from tokenmill.server.metrics import Metrics
-from tokenmill.server.limits import RequestLimits
 from tokenmill.server.serving import ServerContext
 from tokenmill.tools.formats import detect_format
 
@@ -33,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # Seconds a server whose engine failed keeps answering 503 (pollers and load balancers see why) before it exits 1.
 ENGINE_FAILURE_EXIT_DELAY = 5.0
+# Seconds the engine process gets to stop when asked, after a drain that finished, before it is killed.
+ENGINE_STOP_TIMEOUT = 10.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -40,6 +45,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
         self.shutdown_timeout = shutdown_timeout
+        self.cut_off = False  # the drain timed out with requests still in flight
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets=None) -> None:
@@ -61,6 +67,7 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
         if in_flight is not None and in_flight.count:
             log.warning("shutdown timeout: %d requests still in flight are cut off", in_flight.count)
+            self.cut_off = True
         self.should_exit = True
 
 
@@ -70,12 +77,13 @@ def _loader(config: EngineConfig, clients: list[EngineClient], on_failure: Calla
         client.on_failure = on_failure
         clients.append(client)  # stopped at exit, also when it never became ready
         info = client.start()
+        admission = Admission(int(info.kv_capacity_tokens * config.admission_overcommit))
         log.info("serving %s: KV cache %d tokens, admission limit %d promised tokens", info.model_name,
-                 info.kv_capacity_tokens, client.admission_limit)
-        tool_format = detect_format(client.tokenizer.hf.chat_template, config.tool_call_parser)
+                 info.kv_capacity_tokens, admission.limit)
+        tool_format = detect_format(client.chat_template, config.tool_call_parser)
         log.info("tool calls: %s format", tool_format.name)
-        return ServerContext(client, Metrics(client, info.model_name), info.model_name,
-                             RequestLimits.from_config(config), tool_format)
+        return ServerContext(client, Metrics(client, admission, info.model_name), info.model_name, config, admission,
+                             tool_format)
     return load
 
 
@@ -101,6 +109,6 @@ def serve(config: EngineConfig) -> int:
     try:
         server.run()
     finally:
-        for client in clients:
-            client.stop()
+        for client in clients:  # after a drain that timed out, the engine is still busy: end it at once
+            client.stop(timeout=0 if server.cut_off else ENGINE_STOP_TIMEOUT)
     return 1 if state.load_error is not None or failures else 0

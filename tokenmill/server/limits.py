@@ -1,33 +1,15 @@
-"""Bounds on one request's size, each a clear 400 naming the parameter (configurable: EngineConfig's ``max_*``
-server fields). They keep one request from costing the server out of proportion: a long stop string sets the
-detokenizer's hold-back and is searched every step; logit_bias and stop_token_ids are applied per step; n and prompt
-lists multiply everything; a body is read into memory before it is parsed."""
+"""Bounds on one request's size, each a clear 400 naming the parameter. The bounds are defined once, as EngineConfig's
+``max_*`` server fields, and read from there. They keep one request from costing the server out of proportion: a
+long stop string sets the detokenizer's hold-back and is searched every step; logit_bias and stop_token_ids are
+applied per step; n and prompt lists multiply everything; a body is read into memory before it is parsed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from tokenmill.config import EngineConfig
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol import CompletionRequest, SamplingFields
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    max_body_bytes: int = 4 * 2**20
-    max_n: int = 16
-    max_stop: int = 16
-    max_stop_chars: int = 256
-    max_logit_bias: int = 1024
-    max_stop_token_ids: int = 256
-    max_prompts: int = 64
-    max_tools: int = 128
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "RequestLimits":
-        return cls(config.max_request_body_bytes, config.max_n, config.max_stop_sequences, config.max_stop_length,
-                   config.max_logit_bias, config.max_stop_token_ids, config.max_prompts, config.max_tools)
 
 
 def _at_most(value: int, limit: int, param: str, what: str) -> None:
@@ -36,11 +18,11 @@ def _at_most(value: int, limit: int, param: str, what: str) -> None:
                           code="limit_exceeded")
 
 
-def check_limits(body: SamplingFields, limits: RequestLimits) -> None:
+def check_limits(body: SamplingFields, limits: EngineConfig) -> None:
     _at_most(body.n, limits.max_n, "n", "n (choices per prompt)")
     stop = body.stop or []
-    _at_most(len(stop), limits.max_stop, "stop", "number of stop sequences")
-    _at_most(max((len(s) for s in stop), default=0), limits.max_stop_chars, "stop",
+    _at_most(len(stop), limits.max_stop_sequences, "stop", "number of stop sequences")
+    _at_most(max((len(s) for s in stop), default=0), limits.max_stop_length, "stop",
              "characters in a stop sequence")
     _at_most(len(body.logit_bias or {}), limits.max_logit_bias, "logit_bias", "logit_bias entries")
     _at_most(len(body.stop_token_ids or []), limits.max_stop_token_ids, "stop_token_ids", "stop_token_ids entries")

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenmill.engine.client import EngineClient
+from tokenmill.server.admission import Admission
 
 P = "tokenmill:"
 REJECT_REASONS = ("admission", "context_length")  # 429 (admission limit), 400 (prompt + max_tokens too long)
@@ -29,10 +30,10 @@ _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.
 
 
 class _EngineCollector(Collector):
-    """Scheduler and client state, read at scrape time (plain attributes: no locking needed for a gauge)."""
+    """Scheduler, client and admission state, read at scrape time (plain attributes: no locking needed for a gauge)."""
 
-    def __init__(self, client: EngineClient, model: str):
-        self.client, self.model = client, model
+    def __init__(self, client: EngineClient, admission: Admission, model: str):
+        self.client, self.admission, self.model = client, admission, model
 
     def collect(self):
         stats = self.client.stats
@@ -41,7 +42,7 @@ class _EngineCollector(Collector):
             ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", stats.kv_cache_usage),
             ("admission_saturation", "Promised tokens / admission limit; at 1 new requests get 429.",
-             self.client.saturation),
+             self.admission.saturation),
             # Absent with --no-engine-process (the engine then shares process_resident_memory_bytes).
             *([("engine_process_resident_memory_bytes", "Resident memory of the engine process.",
                 stats.resident_memory_bytes)] if self.client.engine_in_own_process else []),
@@ -81,7 +82,7 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, client: EngineClient, model: str):
+    def __init__(self, client: EngineClient, admission: Admission, model: str):
         self.model = model
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
@@ -113,7 +114,7 @@ class Metrics:
             self.rejected.labels(model, reason)
         for finish_reason in ("stop", "length"):
             self.success.labels(model, finish_reason)
-        r.register(_EngineCollector(client, model))
+        r.register(_EngineCollector(client, admission, model))
         ProcessCollector(registry=r)  # process_resident_memory_bytes etc., for peak-memory reports
 
     def reject(self, reason: str) -> None:

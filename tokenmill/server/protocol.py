@@ -198,12 +198,14 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(Strict):
-    """vLLM's POST /tokenize: a completion prompt or chat messages."""
+    """vLLM's POST /tokenize: a completion prompt or chat messages (with tools as chat completions takes them)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
     add_generation_prompt: bool = True
     return_token_strs: bool = False

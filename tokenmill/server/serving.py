@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from tokenmill.config import EngineConfig
 from tokenmill.engine.client import EngineClient, EngineDeadError
-from tokenmill.engine.messages import ContextLengthError, EngineRequest, RequestOutput
+from tokenmill.engine.messages import ContextLengthError, EngineRequest, PromptError, RequestOutput
 from tokenmill.sampling.params import SamplingParamError, SamplingParams
+from tokenmill.server.admission import Admission, Reservation
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.metrics import Metrics
-from tokenmill.server.limits import RequestLimits
 from tokenmill.server.protocol import SamplingFields
 from tokenmill.server.tool_calls import ToolPlan
 from tokenmill.tools.formats import HERMES, ToolFormat
 
 log = logging.getLogger("tokenmill.requests")
+
 
 @dataclass
 class ServerContext:
@@ -29,13 +29,15 @@ class ServerContext:
     client: EngineClient
     metrics: Metrics
     model_name: str
-    limits: RequestLimits = field(default_factory=RequestLimits)
+    config: EngineConfig  # the request limits (max_*) among its fields
+    admission: Admission
     tool_format: ToolFormat = HERMES
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """OpenAI/vLLM fields -> SamplingParams; a bad value becomes a 400 naming the parameter."""
-    fields = dict(n=1, max_tokens=max_tokens, stop=body.stop, seed=body.seed, logprobs=logprobs,
+    """OpenAI/vLLM fields -> SamplingParams (``n`` choices per prompt); a bad value becomes a 400 naming the
+    parameter."""
+    fields = dict(n=body.n, max_tokens=max_tokens, stop=body.stop, seed=body.seed, logprobs=logprobs,
                   min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or [],
                   include_stop_str_in_output=body.include_stop_str_in_output,
                   skip_special_tokens=body.skip_special_tokens,
@@ -50,28 +52,26 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         raise bad_request(str(exc), param=exc.param) from None
 
 
-def make_requests(ctx: ServerContext, prompts: list[list[int]], params: SamplingParams, n: int, prompt_param: str,
-                  arrival: float, cache_salt: str | None = None) -> list[EngineRequest]:
-    """One engine request per (prompt, choice), validated; admission control on their total promise."""
-    requests = []
-    for prompt in prompts:
-        for i in range(n):
-            # The n choices are separate requests; seeded ones get distinct, reproducible seeds.
-            choice = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-            try:
-                requests.append(ctx.client.make_request(prompt, choice, arrival, uuid.uuid4().hex, cache_salt))
-            except ContextLengthError as exc:
-                ctx.metrics.reject("context_length")
-                raise bad_request(str(exc), param=prompt_param, code="context_length_exceeded") from None
-            except SamplingParamError as exc:
-                raise bad_request(str(exc), param=exc.param) from None
-            except ValueError as exc:
-                raise bad_request(str(exc), param=prompt_param) from None
-    if not ctx.client.reserve(requests):
+def make_requests(ctx: ServerContext, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
+                  arrival: float, cache_salt: str | None = None) -> tuple[list[EngineRequest], Reservation]:
+    """``params.n`` engine requests per prompt, validated (400s naming the parameter), and their promise reserved
+    (429 when it does not fit). The caller's Tracker owns the reservation from here on."""
+    try:
+        requests = ctx.client.make_requests(prompts, params, arrival, cache_salt)
+    except SamplingParamError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+    except PromptError as exc:
+        if isinstance(exc.cause, ContextLengthError):
+            ctx.metrics.reject("context_length")
+            raise bad_request(str(exc), param=prompt_param, code="context_length_exceeded") from None
+        raise bad_request(str(exc), param=prompt_param) from None
+    promise = sum(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    reservation = ctx.admission.reserve(promise)
+    if reservation is None:
         ctx.metrics.reject("admission")
         raise APIError(429, "The server is at capacity (promised KV tokens); retry later.", "rate_limit_error",
-                       code="rate_limit_exceeded", headers={"Retry-After": str(ctx.client.retry_after(requests))})
-    return requests
+                       code="rate_limit_exceeded", headers={"Retry-After": str(ctx.admission.retry_after(promise))})
+    return requests, reservation
 
 
 @dataclass
@@ -85,21 +85,34 @@ class _Progress:
 
 @dataclass
 class Tracker:
-    """Per HTTP request: observes every output for metrics and writes the request's log line at the end."""
+    """Per HTTP request: owns its admission reservation (released once, by ``close``, when the response is over),
+    observes every output for metrics, and writes the request's log line at the end."""
 
     ctx: ServerContext
     endpoint: str
     arrival: float
     key_name: str | None
     requests: list[EngineRequest]
+    reservation: Reservation
     tools: ToolPlan = field(default_factory=ToolPlan)  # chat: how its output is read for tool calls
+    grammar_param: str | None = None  # the field its output constraint came from, for errors about it
     _progress: dict[str, _Progress] = field(default_factory=dict)
     finish_reasons: list[str | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._progress = {r.request_id: _Progress(r) for r in self.requests}
 
+    def close(self) -> None:
+        """The response is over (sent, failed, or its client left): give the promise back."""
+        self.reservation.release()
+
     def observe(self, out: RequestOutput) -> None:
+        """Metrics of one output; an output the engine refused mid-way (finish_reason "error": its grammar over the
+        server's budget) becomes a 400 naming the constraint."""
+        if out.error is not None:
+            param = self.grammar_param
+            raise bad_request(f"{param}: {out.error}" if param else out.error, param=param,
+                              code="grammar_too_costly")
         now = time.monotonic()
         m, model = self.ctx.metrics, self.ctx.model_name
         p = self._progress[out.request_id]

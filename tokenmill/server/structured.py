@@ -1,5 +1,6 @@
-"""Structured-output fields of a request -> one GrammarSpec, validated here so a bad schema is a 400 before any
-engine work (the engine compiles the same spec for its tokenizer)."""
+"""Structured-output fields of a request -> one GrammarSpec, checked before any engine work: compiled and tried for
+the model's tokenizer within the server's time and size budget (EngineClient.check_grammar, off the event loop), so
+that a bad or too costly grammar is a 400 naming its field and never reaches the engine."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol import SamplingFields
-from tokenmill.structured.grammar import GrammarError, build_grammar
+from tokenmill.structured.checker import GrammarBudgetError
+from tokenmill.structured.grammar import GrammarError
 from tokenmill.structured.spec import GrammarSpec
 
 
@@ -61,19 +63,19 @@ def _spec_of(key: str, value: Any, param: str) -> GrammarSpec:
 
 
 def requested_grammar(body: SamplingFields) -> tuple[str, GrammarSpec] | None:
-    """The request's output constraint as (param, spec), validated; None when it asks for none."""
+    """The request's output constraint as (param, spec), not yet checked (``check``); None when it asks for none."""
     found = _candidates(body)
     if len(found) > 1:
         raise bad_request(f"only one output constraint may be given, got {', '.join(p for p, _ in found)}",
                           param=found[1][0])
-    if not found:
-        return None
-    validate(*found[0])
-    return found[0]
+    return found[0] if found else None
 
 
-def validate(param: str, spec: GrammarSpec) -> None:
+async def check(ctx, param: str, spec: GrammarSpec) -> None:
+    """A 400 naming ``param`` when ``spec`` describes no grammar or costs more than the server allows."""
     try:
-        build_grammar(spec)
+        await ctx.client.check_grammar(spec)
+    except GrammarBudgetError as exc:
+        raise bad_request(f"{param}: {exc}", param=param, code="grammar_too_costly") from None
     except GrammarError as exc:
         raise bad_request(f"invalid {spec.kind.replace('_', ' ')}: {exc}", param=param) from None

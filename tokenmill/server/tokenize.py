@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenmill.server.chat import render_chat
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol import DetokenizeRequest, TokenizeRequest
 from tokenmill.server.serving import ServerContext
-from tokenmill.server.chat import openai_messages
-from tokenmill.tools.prompt import render_messages, template_knows_tools
 
 
 async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict[str, Any]:
     """A prompt is encoded as /v1/completions encodes it (special tokens added unless add_special_tokens is false);
-    messages are rendered through the chat template as /v1/chat/completions renders them (tools included)."""
+    messages are rendered exactly as /v1/chat/completions renders them (render_chat: the same tool plan)."""
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", param="prompt")
     client = ctx.client
@@ -21,17 +20,11 @@ async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict[str, Any]:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = await client.encode(body.prompt, add_special)
     else:
-        native = template_knows_tools(client.tokenizer.hf.chat_template)
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        try:
-            messages = render_messages(openai_messages(body.messages), tools, ctx.tool_format, native)
-            tokens = await client.apply_chat_template(messages, body.add_generation_prompt,
-                                                      tools if native else None)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="messages") from None
+        tokens, _ = await render_chat(ctx, body.messages, body.tools, body.tool_choice, body.parallel_tool_calls,
+                                      body.add_generation_prompt, check_grammars=False)
     out: dict[str, Any] = {"count": len(tokens), "max_model_len": client.info.max_model_len, "tokens": tokens}
     if body.return_token_strs:
-        out["token_strs"] = client.tokenizer.hf.convert_ids_to_tokens(tokens)
+        out["token_strs"] = await client.token_strings(tokens)
     return out
 
 

@@ -6,8 +6,7 @@ import json
 from dataclasses import dataclass
 
 from tokenmill.server.errors import bad_request
-from tokenmill.server.protocol import ChatCompletionRequest
-from tokenmill.server.structured import validate
+from tokenmill.server.structured import check
 from tokenmill.structured.spec import GrammarSpec
 from tokenmill.tools.formats import structural_tag
 from tokenmill.tools.parser import ToolCallParser
@@ -26,16 +25,18 @@ class ToolPlan:
     grammar: GrammarSpec | None = None
 
 
-def plan_tools(ctx, body: ChatCompletionRequest) -> ToolPlan:
-    """Validates tools and tool_choice (400s naming them). tool_choice defaults to auto with tools, none without;
-    with none the tools are left out of the prompt, so the model has nothing to call."""
-    choice = body.tool_choice
-    if choice is not None and choice != "none" and not body.tools:
+async def plan_tools(ctx, tools_given: list | None, choice, parallel_tool_calls: bool = True,
+                     check_grammars: bool = True) -> ToolPlan:
+    """Validates tools and tool_choice (400s naming them; each parameter schema and the tag that constrains the calls
+    are checked like any grammar unless ``check_grammars`` is false: a prompt that is only rendered needs none).
+    tool_choice defaults to auto with tools, none without; with none the tools are left out of the prompt, so the
+    model has nothing to call."""
+    if choice is not None and choice != "none" and not tools_given:
         raise bad_request("tool_choice needs tools", param="tool_choice")
-    native = template_knows_tools(ctx.client.tokenizer.hf.chat_template)
-    if not body.tools or choice == "none":
+    native = template_knows_tools(ctx.client.chat_template)
+    if not tools_given or choice == "none":
         return ToolPlan(native=native)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    tools = [t.model_dump(exclude_none=True) for t in tools_given]
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tool function names must be unique", param="tools")
@@ -47,10 +48,12 @@ def plan_tools(ctx, body: ChatCompletionRequest) -> ToolPlan:
         xgr_choice = xgr_choice.model_dump()
     for i, tool in enumerate(tools):
         tool["function"].setdefault("parameters", {"type": "object", "properties": {}})
-        validate(f"tools.{i}.function.parameters",
-                 GrammarSpec("json_schema", json.dumps(tool["function"]["parameters"])))
-    spec = GrammarSpec("structural_tag", structural_tag(ctx.tool_format, tools, xgr_choice, body.parallel_tool_calls))
-    validate("tools", spec)
+        if check_grammars:
+            await check(ctx, f"tools.{i}.function.parameters",
+                        GrammarSpec("json_schema", json.dumps(tool["function"]["parameters"])))
+    spec = GrammarSpec("structural_tag", structural_tag(ctx.tool_format, tools, xgr_choice, parallel_tool_calls))
+    if check_grammars:
+        await check(ctx, "tools", spec)
     return ToolPlan(True, tools, native, spec)
 
 

@@ -1,3 +1,4 @@
-"""Speculative decoding: draft proposers. ngram.py drafts from token ids (pure Python + numpy, run by the engine core
-after each step); mtp.py drafts with the model's own multi-token-prediction module (run by the runner inside the step).
-Verification lives in the runner (engine/runner.py) and the scheduler's update (scheduler/scheduler.py)."""
+"""Speculative decoding: draft proposers behind one interface (proposer.py), run by the model runner after each step's
+sampling. ngram.py drafts from token ids; mtp.py drafts with the model's own multi-token-prediction module.
+Verification lives in the runner (engine/runner.py) and the scheduler's update_from_output (scheduler/scheduler.py).
+This package imports nothing above it (kernels' metadata and the KV cache are below)."""

@@ -25,60 +25,53 @@ change an output.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from tokenmill.kvcache.cache import KVCache
-
-if TYPE_CHECKING:  # the runner's types; speculative/ is imported by engine/, not the other way
-    from tokenmill.engine.input_batch import InputBatch, StepInputs
+from tokenmill.speculative.proposer import DraftContext
 
 
 class MTPDrafter:
-    def __init__(self, k: int):
+    def __init__(self, k: int, model: torch.nn.Module, kv_cache: KVCache):
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {k}")
-        self.k = k
+        self.k, self.model, self.kv_cache = k, model, kv_cache
 
     @property
     def num_lookahead_tokens(self) -> int:
         """Cache slots past a request's scheduled tokens that its further drafts write."""
         return self.k - 1
 
-    def propose(self, model, kv_cache: KVCache, batch: "InputBatch", inputs: "StepInputs", hidden: torch.Tensor,
-                kept: list[int]) -> list[list[int]]:
-        """Drafts for each of ``inputs.sample_rows`` (``kept[i]`` tokens appended to its row this step, already in
-        ``batch``); ``hidden`` [T, H] is the main model's output over the step's tokens."""
-        width = batch.token_ids.shape[1]
-        next_ids = batch.token_ids[inputs.token_rows, np.minimum(inputs.token_positions + 1, width - 1)]
-        out = model.mtp_forward(torch.from_numpy(next_ids.astype(np.int64)).to(hidden.device), inputs.positions,
-                                hidden, inputs.attention, kv_cache)
-        rows = inputs.sample_rows
-        if not len(rows):
+    def draft(self, ctx: DraftContext) -> list[list[int]]:
+        """Drafts for each sampling request of ``ctx`` (its kept tokens already among its known tokens)."""
+        model, hidden = self.model, ctx.hidden
+        width = ctx.token_ids.shape[1]
+        next_ids = ctx.token_ids[ctx.token_rows, np.minimum(ctx.token_positions + 1, width - 1)]
+        out = model.mtp_forward(torch.from_numpy(next_ids.astype(np.int64)).to(hidden.device), ctx.positions,
+                                hidden, ctx.attention, self.kv_cache)
+        if not len(ctx.rows):
             return []
-        last_kept = inputs.last_indices - (inputs.num_samples - np.asarray(kept, dtype=np.int64))
+        last_kept = ctx.last_indices - (ctx.num_samples - ctx.num_kept)
         previous = out[torch.from_numpy(last_kept).to(hidden.device)]  # [R, H]
         tokens = model.mtp_greedy(previous)
-        positions = batch.num_tokens[rows] - 2  # each row's last kept position
-        drafts, active = [tokens], np.arange(len(rows))  # drafts[j][i]: draft j of row active_j[i]
+        positions = ctx.num_tokens - 2  # each request's last kept position
+        drafts, active = [tokens], np.arange(len(ctx.rows))  # drafts[j][i]: draft j of request active_j[i]
         actives = [active]
         for _ in range(1, self.k):
             positions = positions + 1
-            room = positions < batch.num_slots(rows)
-            keep = np.flatnonzero(room[active])
+            keep = np.flatnonzero(positions[active] < ctx.num_slots[active])
             if not len(keep):
                 break
             index = torch.from_numpy(keep).to(hidden.device)
             active, tokens, previous = active[keep], tokens[index], previous[index]
-            meta, _, _ = batch.attention(rows[active], np.ones(len(active), dtype=np.int64), positions[active])
+            meta = ctx.decode_layout(active, positions[active])
             previous = model.mtp_forward(tokens, torch.from_numpy(positions[active]).to(hidden.device), previous,
-                                         meta, kv_cache)
+                                         meta, self.kv_cache)
             tokens = model.mtp_greedy(previous)
             drafts.append(tokens)
             actives.append(active)
-        result: list[list[int]] = [[] for _ in rows]
+        result: list[list[int]] = [[] for _ in ctx.rows]
         for rows_j, tokens_j in zip(actives, _split(drafts)):
             for i, token in zip(rows_j.tolist(), tokens_j):
                 result[i].append(token)

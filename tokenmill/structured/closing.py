@@ -12,21 +12,26 @@ when no completion is found within ``max_chars``. Whether the text is inside a s
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import xgrammar as xgr
+
+from tokenmill.structured.grammar import check_deadline
 
 OUTSIDE_STRING = ("}", "]", ",", '"', "0", "n", "f", "[", "{", ":")
 INSIDE_STRING = ('"',)
 
 
 def closing_text(matcher: xgr.GrammarMatcher, accepted_text: str, decode_token, width: int,
-                 stop_token_ids: set[int], max_chars: int = 512) -> str | None:
+                 stop_token_ids: set[int], max_chars: int = 512, deadline: float = math.inf) -> str | None:
     """Text that, appended to ``accepted_text`` (what ``matcher`` accepted), completes its grammar; the matcher is
-    not changed."""
+    not changed. GrammarBudgetError once ``deadline`` has passed (checked between xgrammar calls)."""
     m = matcher.fork()
     out: list[str] = []
     in_string = _ends_in_string(accepted_text, False)
     while sum(map(len, out)) <= max_chars:
+        check_deadline(deadline)
         if m.is_completed():
             return "".join(out)
         forced = m.find_jump_forward_string()
@@ -35,7 +40,7 @@ def closing_text(matcher: xgr.GrammarMatcher, accepted_text: str, decode_token, 
             text = forced
         else:
             step = _first_accepted(m, INSIDE_STRING if in_string else OUTSIDE_STRING) or \
-                _first_allowed_token(m, decode_token, width, stop_token_ids)
+                _first_allowed_token(m, decode_token, width, stop_token_ids, deadline)
             if step is None:
                 return None
             m, text = step
@@ -45,15 +50,15 @@ def closing_text(matcher: xgr.GrammarMatcher, accepted_text: str, decode_token, 
 
 
 def continuation_text(matcher: xgr.GrammarMatcher, accepted_text: str, decode_token, width: int,
-                      stop_token_ids: set[int]) -> str | None:
+                      stop_token_ids: set[int], deadline: float = math.inf) -> str | None:
     """For a complete output: the shortest text that continues it (one token that is not a stop token, then the
     closing text from there), i.e. what one more list item or tool call would cost at least; None when nothing but a
     stop token may follow."""
-    step = _first_allowed_token(matcher, decode_token, width, stop_token_ids)
+    step = _first_allowed_token(matcher, decode_token, width, stop_token_ids, deadline)
     if step is None:
         return None
     m, first = step
-    rest = closing_text(m, accepted_text + first, decode_token, width, stop_token_ids)
+    rest = closing_text(m, accepted_text + first, decode_token, width, stop_token_ids, deadline=deadline)
     return None if rest is None else first + rest
 
 
@@ -84,8 +89,10 @@ def allowed_tokens(m: xgr.GrammarMatcher, width: int) -> np.ndarray:
     return np.unpackbits(mask.view(np.uint8), bitorder="little")
 
 
-def _first_allowed_token(m: xgr.GrammarMatcher, decode_token, width: int, stop_token_ids: set[int]):
+def _first_allowed_token(m: xgr.GrammarMatcher, decode_token, width: int, stop_token_ids: set[int],
+                         deadline: float = math.inf):
     for token in np.flatnonzero(allowed_tokens(m, width)).tolist():
+        check_deadline(deadline)
         if token in stop_token_ids:
             continue
         text = decode_token(token)

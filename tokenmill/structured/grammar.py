@@ -4,8 +4,13 @@ which turns specs into token-level grammars for one tokenizer and keeps them in 
 from __future__ import annotations
 
 import json
+import math
 import re
+import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import xgrammar as xgr
 
@@ -20,6 +25,21 @@ _ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
 
 class GrammarError(ValueError):
     """The spec does not describe a valid grammar; the message says why (xgrammar's words, without its location)."""
+
+
+class GrammarBudgetError(GrammarError):
+    """The grammar is valid but costs more (time or memory) than this server allows a request."""
+
+
+class GrammarTimeout(GrammarBudgetError):
+    """The grammar's work ran past its deadline."""
+
+
+def check_deadline(deadline: float) -> None:
+    """Between two xgrammar calls of a request's grammar work: GrammarTimeout once ``deadline`` (a time.monotonic()
+    time) has passed. A call itself cannot be interrupted."""
+    if time.monotonic() > deadline:
+        raise GrammarTimeout("its grammar ran past its deadline")
 
 
 def _clean(exc: Exception) -> str:
@@ -57,27 +77,59 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
 
 
 class GrammarCompiler:
-    """Compiles specs for one tokenizer; the ``max_entries`` most recently used compiled grammars are kept."""
+    """Compiles specs for one tokenizer; the ``max_entries`` most recently used compiled grammars are kept. Safe to
+    call from several threads (the engine compiles on worker threads)."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: list[int], max_entries: int = 256):
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: list[int], max_entries: int = 256,
+                 cache_max_bytes: float = math.inf):
         info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
-        self.max_entries = max_entries
+        self._compiling: dict[GrammarSpec, Future] = {}  # one compile per spec at a time; others wait for it
+        self._lock = threading.Lock()  # guards both; compiling runs outside it
+        self.max_entries, self.cache_max_bytes = max_entries, cache_max_bytes
         self.num_compiled = 0  # cache misses, for the tests and the log
 
-    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        compiled = self._cache.get(spec)
-        if compiled is None:
-            try:
-                compiled = self._compiler.compile_grammar(build_grammar(spec))
-            except GrammarError:
-                raise
-            except Exception as exc:
-                raise GrammarError(_clean(exc)) from None
+    def compile(self, spec: GrammarSpec, max_bytes: float = math.inf, deadline: float = math.inf
+                ) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``spec``; GrammarError when it describes none, GrammarBudgetError when it compiles
+        larger than ``max_bytes`` (and it is not kept), GrammarTimeout when another thread's compile of the same
+        spec has not finished by ``deadline`` (time.monotonic())."""
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+            elif (waiting := self._compiling.get(spec)) is None:
+                self._compiling[spec] = mine = Future()
+        if compiled is None and waiting is not None:
+            try:  # the other compile's grammar, or its error
+                compiled = waiting.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                raise GrammarTimeout("its grammar is still compiling") from None
+        elif compiled is None:
+            compiled = self._compile_once(spec, mine)
+        if compiled.memory_size_bytes > max_bytes:
+            raise GrammarBudgetError(f"its compiled grammar takes {compiled.memory_size_bytes} bytes, more than the "
+                                     f"{max_bytes:.0f} this server allows (grammar_max_bytes)")
+        return compiled
+
+    def _compile_once(self, spec: GrammarSpec, mine: Future) -> xgr.CompiledGrammar:
+        """Compile ``spec`` for every thread waiting on ``mine``; kept in the cache when a grammar of its size may be
+        kept at all (not larger than the largest allowed, ``cache_max_bytes``)."""
+        try:
+            compiled = self._compiler.compile_grammar(build_grammar(spec))
+        except Exception as exc:
+            error = exc if isinstance(exc, GrammarError) else GrammarError(_clean(exc))
+            with self._lock:
+                del self._compiling[spec]
+            mine.set_exception(error)
+            raise error from None
+        with self._lock:
+            del self._compiling[spec]
             self.num_compiled += 1
-            self._cache[spec] = compiled
-            if len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(spec)
+            if compiled.memory_size_bytes <= self.cache_max_bytes:
+                self._cache[spec] = compiled
+                if len(self._cache) > self.max_entries:
+                    self._cache.popitem(last=False)
+        mine.set_result(compiled)
         return compiled

@@ -20,6 +20,7 @@ valid prefix.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Protocol
 
 import numpy as np
@@ -51,16 +52,17 @@ class GrammarMatchers:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def add(self, request_id: str, spec: GrammarSpec) -> None:
-        """Raises GrammarError when the spec does not compile."""
-        compiled = self.compiler.compile(spec)
+    def add(self, request_id: str, spec: GrammarSpec, max_bytes: float = math.inf, deadline: float = math.inf) -> None:
+        """Raises GrammarError when the spec does not compile (GrammarCompiler.compile's budget errors too)."""
+        compiled = self.compiler.compile(spec, max_bytes, deadline)
         self._matchers[request_id] = xgr.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar >= 0.2
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
         self._closing.pop(request_id, None)
 
-    def steer(self, request_id: str, tokens_left: int, output_token_ids: list[int]) -> np.ndarray | None:
+    def steer(self, request_id: str, tokens_left: int, output_token_ids: list[int],
+              deadline: float = math.inf) -> np.ndarray | None:
         """[1, width]: the one token the request must take now to end complete within ``tokens_left`` tokens (the
         closing text's next token, or a stop token), or None to leave it free."""
         if tokens_left > ZONE:
@@ -70,11 +72,11 @@ class GrammarMatchers:
                 and tokens_left > last[1] + 2 * MARGIN:
             return None  # checked lately, far from complete and far from the end
         matcher, accepted = self._matchers[request_id], self.tokenizer.decode(output_token_ids)
-        text = closing_text(matcher, accepted, self._decode_one, self.width, self.stop_token_ids)
+        text = closing_text(matcher, accepted, self._decode_one, self.width, self.stop_token_ids, deadline=deadline)
         if text is None:
             return None
         if not text:  # complete already
-            return self._stop_mask(matcher, accepted, tokens_left)
+            return self._stop_mask(matcher, accepted, tokens_left, deadline)
         closing = self.tokenizer.encode(text, add_special_tokens=False)
         self._closing[request_id] = (tokens_left, len(closing))
         if len(closing) + MARGIN < tokens_left:
@@ -83,14 +85,15 @@ class GrammarMatchers:
             return None
         return self._only(closing[0])
 
-    def _stop_mask(self, matcher: xgr.GrammarMatcher, accepted: str, tokens_left: int) -> np.ndarray | None:
+    def _stop_mask(self, matcher: xgr.GrammarMatcher, accepted: str, tokens_left: int,
+                   deadline: float = math.inf) -> np.ndarray | None:
         """Only a stop token, for a complete output (``accepted``, its text) that allows no free text (fewer than
         half the vocabulary) and whose shortest continuation would not fit in ``tokens_left`` with MARGIN to spare."""
         bits = allowed_tokens(matcher, self.width)
         stops = [t for t in sorted(self.stop_token_ids) if t < len(bits) and bits[t]]
         if not stops or bits.sum() * 2 > self.width * 32:
             return None
-        more = continuation_text(matcher, accepted, self._decode_one, self.width, self.stop_token_ids)
+        more = continuation_text(matcher, accepted, self._decode_one, self.width, self.stop_token_ids, deadline)
         if more and len(self.tokenizer.encode(more, add_special_tokens=False)) + MARGIN < tokens_left:
             return None
         return self._only(stops[0])

@@ -1,0 +1,142 @@
+"""Build an engine's model runner from the settled choices (engine/settle.py): the model on its device, its weights
+read straight into the compute dtype, the KV cache sized from the memory budget, the compiled layer stack or the
+CUDA graphs, the proposer. Rank 0 (the engine core) and the worker ranks build the same way, each over its shard.
+This is where the settled thread count is applied, once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.distributed.group import TensorParallel
+from tokenmill.engine.cuda_graphs import DecodeGraphs
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.settle import Settled
+from tokenmill.engine.warmup import compile_and_warm_up
+from tokenmill.kernels.backend import KernelChoice
+from tokenmill.kvcache.cache import KVCache
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.loader import Checkpoint, ModelLoadError, open_checkpoint
+from tokenmill.models.registry import model_class_for
+from tokenmill.models.tokenizer import Tokenizer
+from tokenmill.runtime import keep_freed_memory_in_heap
+from tokenmill.speculative.mtp import MTPDrafter
+from tokenmill.speculative.ngram import NgramProposer
+from tokenmill.speculative.proposer import Proposer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    kv_cache: KVCache
+    device: torch.device
+    max_model_len: int
+
+
+def open_model(config: EngineConfig) -> tuple[Checkpoint, Tokenizer, ModelConfig]:
+    checkpoint = open_checkpoint(config.model)
+    tokenizer = Tokenizer.of_checkpoint(checkpoint, config.tokenizer_cache_dir)
+    return checkpoint, tokenizer, ModelConfig.from_hf(checkpoint.hf_config, checkpoint.generation_config,
+                                                      tokenizer.eos_token_id)
+
+
+def build_runner(config: EngineConfig, settled: Settled, checkpoint: Checkpoint, model_config: ModelConfig,
+                 tp: TensorParallel = TensorParallel()) -> tuple[ModelRunner, LoadedModel]:
+    """This rank's runner over its model and KV cache, ready to serve (compiled and warmed up, graphs captured)."""
+    if settled.device == "cpu":
+        keep_freed_memory_in_heap()
+    if settled.num_threads:
+        torch.set_num_threads(settled.num_threads)
+    loaded = load_model_and_cache(checkpoint, model_config, config, settled, tp)
+    if settled.execution == "compiled":
+        compile_and_warm_up(loaded.model, loaded.kv_cache, config.compile_cache_dir)
+    elif settled.device == "cpu":
+        log.info("model runs eagerly (%s)", "enforce_eager" if config.enforce_eager else
+                 f"{type(loaded.model).__name__} is not compiled" if settled.tensor_parallel_size == 1 else
+                 "tensor-parallel ranks run eagerly")
+    graphs = None
+    if settled.execution == "cuda_graphs":
+        graphs = DecodeGraphs(loaded.model, loaded.kv_cache, config.max_num_seqs, loaded.max_model_len)
+        graphs.capture()
+    runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, config.max_num_seqs, loaded.max_model_len,
+                         model_config.eos_token_ids, config.seed, make_proposer(config, settled, loaded, tp), graphs)
+    return runner, loaded
+
+
+def build_rank_runner(config: EngineConfig, settled: Settled, tp: TensorParallel) -> ModelRunner:
+    """A worker rank's runner over its shard of the model (engine/ranks.py)."""
+    checkpoint, _, model_config = open_model(config)
+    return build_runner(config, settled, checkpoint, model_config, tp)[0]
+
+
+def make_proposer(config: EngineConfig, settled: Settled, loaded: LoadedModel, tp: TensorParallel
+                  ) -> Proposer | None:
+    """MTP drafts on every rank (its forward pass is the model's, collectives included); n-gram drafts on rank 0 only
+    (the other ranks' drafts would be dropped: only rank 0 reports)."""
+    if settled.speculative_method == "mtp":
+        return MTPDrafter(config.num_speculative_tokens, loaded.model, loaded.kv_cache)
+    if settled.speculative_method == "ngram" and tp.rank == 0:
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    return None
+
+
+def kernel_choice(config: EngineConfig, settled: Settled) -> KernelChoice:
+    tuner = None
+    if settled.kernel_backend == "triton" and config.kernel_tuning == "autotune":
+        from tokenmill.kernels.triton.moe_config import MoETuner
+
+        tuner = MoETuner(Path(config.kernel_cache_dir).expanduser())
+    log.info("kernel backend: %s%s", settled.kernel_backend, " (autotuned MoE configs)" if tuner else "")
+    return KernelChoice(settled.kernel_backend, tuner)
+
+
+def _kv_budget(config: EngineConfig, device: torch.device) -> int:
+    if device.type != "cuda":
+        return config.kv_cache_memory
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * config.gpu_memory_utilization) - (total - free)
+
+
+def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, config: EngineConfig, settled: Settled,
+                         tp: TensorParallel = TensorParallel()) -> LoadedModel:
+    """This rank's model (its shard of every weight, read straight into the compute dtype on its device) and KV
+    cache; with several ranks, every rank gets the same number of blocks (the smallest any rank's memory allows)."""
+    device = tp.device if tp.size > 1 else torch.device(settled.device)
+    kernels = kernel_choice(config, settled)
+    try:
+        model_cls = model_class_for(model_config)
+        extra = {"mtp": True} if settled.speculative_method == "mtp" else {}
+        if tp.size > 1:  # settle checked that the model splits
+            extra["tp"] = tp
+        with torch.device("meta"):
+            model = model_cls(model_config, kernels=kernels, **extra)
+        # Materialized on the device in the compute dtype; each checkpoint tensor is converted as it is copied in.
+        model.cast_parameters(settled.torch_dtype).to_empty(device=device)
+        model.rotary.to(device)
+        model.load_weights(checkpoint.weights(model.weight_shard))
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"cannot build the model from {checkpoint.path}: {exc}") from None
+    model.eval()
+
+    spec = model.kv_cache_spec(settled.kv_cache_dtype, config.block_size)
+    num_blocks = tp.min(spec.num_blocks_for(_kv_budget(config, device)) - 1)  # less the cache's null block
+    capacity = num_blocks * spec.block_size
+    max_model_len = config.max_model_len or model.max_position
+    if max_model_len > model.max_position:
+        raise ConfigError(f"max_model_len={max_model_len} is beyond the model's {model.max_position} positions")
+    if capacity < max_model_len:
+        if config.max_model_len:
+            raise ConfigError(f"kv_cache_memory holds {capacity} tokens ({spec.bytes_per_token} bytes each), fewer "
+                              f"than max_model_len={max_model_len}: raise kv_cache_memory or lower max_model_len")
+        max_model_len = capacity
+        log.warning("max_model_len lowered to %d: the KV cache holds no more", capacity)
+    if num_blocks < 1:
+        raise ConfigError("kv_cache_memory is too small for a single KV block")
+    return LoadedModel(model, KVCache(spec, num_blocks, device), device, max_model_len)

@@ -1,0 +1,1 @@
+"""The HTTP routes, one router per API: health (operators), openai (models, chat, completions), tokenize."""
