@@ -3,8 +3,8 @@
     python benchmarks/serving_overhead.py [--before /tmp/tokenmill-before] [--out benchmarks/results/serving-overhead.json]
 
 For each tokenmill checkout (this one, and ``--before``: an earlier checkout, ``git worktree add DIR COMMIT``), in one
-run, alternating checkouts for ``--rounds`` rounds (this machine's speed drifts by 10-20% between minutes, so every
-figure is a median over rounds):
+run, alternating checkouts for ``--rounds`` rounds, in reverse order every other round (this machine's speed drifts
+by 10-20% between minutes, so every figure is a median over rounds):
 - offline: the engine in-process (``LLM.generate``) on random 256-token prompts; time per output token =
   (time for 64 tokens - time for 1 token) / 63, median over the prompts;
 - served: ``tokenmill serve`` with the same defaults, ``tokenmill bench`` at concurrency 1 (``--requests`` requests of
@@ -107,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     versions = {"after": None, **({"before": args.before} if args.before else {})}
     rounds: dict[str, list[dict]] = {name: [] for name in versions}
+    ports = {name: 8021 + i for i, name in enumerate(versions)}
     for r in range(args.rounds):
-        for i, (name, path) in enumerate(versions.items()):
-            result = {"offline": offline(path, args.num_prompts), "served": served(path, 8021 + i, work, args.requests)}
+        # Odd rounds run the checkouts in reverse order (ABBA...): a drift within a round favours neither.
+        order = list(versions.items()) if r % 2 == 0 else list(reversed(versions.items()))
+        for name, path in order:
+            result = {"offline": offline(path, args.num_prompts), "served": served(path, ports[name], work, args.requests)}
             result["overhead_per_token_s"] = result["served"]["tpot_p50_s"] - result["offline"]["median_s"]
             rounds[name].append(result)
             in_run = result["served"].get("in_run_overhead_per_token_s")
