@@ -91,7 +91,7 @@ def test_scheduler_reaches_neither_torch_nor_models(module):
 
 
 SERVER_MAY_IMPORT = ("tokenmill.engine.client", "tokenmill.engine.messages", "tokenmill.sampling.params",
-                     "tokenmill.structured.spec", "tokenmill.structured.grammar", "tokenmill.structured.checker",
+                     "tokenmill.structured.spec", "tokenmill.structured.errors", "tokenmill.structured.checker",
                      "tokenmill.tools", "tokenmill.config", "tokenmill.logs", "tokenmill.server")
 
 
@@ -137,6 +137,18 @@ def test_scheduler_imports_where_torch_cannot_be_imported():
                "import tokenmill.scheduler.scheduler, tokenmill.kvcache.block_pool, tokenmill.models.config\n"
                "assert 'torch' not in sys.modules\n")
     result = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_api_process_starts_without_torch_or_xgrammar():
+    """The API process imports everything `tokenmill serve` needs before it spawns the engine, and none of it is torch,
+    xgrammar or transformers (3 s of imports on 2 cores that would delay the engine's start): those load later, off
+    the start-up path, where first needed."""
+    code = ("import sys\n"
+            "import tokenmill.cli, tokenmill.server.launch\n"
+            "loaded = [m for m in ('torch', 'xgrammar', 'transformers', 'triton') if m in sys.modules]\n"
+            "assert not loaded, loaded\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 

@@ -16,9 +16,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenmill.models.loader import Checkpoint, ModelLoadError, tokenizer_files
+from tokenmill.models.paths import ModelLoadError, tokenizer_files
+
+if TYPE_CHECKING:  # the loader imports torch, which the API process (tokenizer only) never needs
+    from tokenmill.models.loader import Checkpoint
 
 log = logging.getLogger(__name__)
 

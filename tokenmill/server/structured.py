@@ -10,7 +10,7 @@ from typing import Any
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol import SamplingFields
 from tokenmill.structured.checker import GrammarBudgetError
-from tokenmill.structured.grammar import GrammarError
+from tokenmill.structured.errors import GrammarError
 from tokenmill.structured.spec import GrammarSpec
 
 

@@ -20,7 +20,7 @@ import multiprocessing as mp
 import threading
 from collections import OrderedDict
 
-from tokenmill.structured.grammar import GrammarBudgetError, GrammarError
+from tokenmill.structured.errors import GrammarBudgetError, GrammarError
 from tokenmill.structured.spec import GrammarSpec
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import xgrammar as xgr
 
+from tokenmill.structured.errors import GrammarBudgetError, GrammarError, GrammarTimeout  # noqa: F401 (re-exported)
 from tokenmill.structured.spec import GrammarSpec
 
 # JSON written without free whitespace (a small model left free to indent can emit spaces until max_tokens), and
@@ -21,18 +22,6 @@ from tokenmill.structured.spec import GrammarSpec
 # strict mode asks for additionalProperties false anyway), so the output always validates against the schema.
 _JSON_OPTIONS = dict(any_whitespace=False, strict_mode=True)
 _ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
-
-
-class GrammarError(ValueError):
-    """The spec does not describe a valid grammar; the message says why (xgrammar's words, without its location)."""
-
-
-class GrammarBudgetError(GrammarError):
-    """The grammar is valid but costs more (time or memory) than this server allows a request."""
-
-
-class GrammarTimeout(GrammarBudgetError):
-    """The grammar's work ran past its deadline."""
 
 
 def check_deadline(deadline: float) -> None:
