@@ -44,8 +44,12 @@ def layouts(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor
     """Each layout as a function of x [rows, in] -> [rows, out]; the packing is done here, once."""
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"plain": lambda x: F.linear(x, weight)}
     if torch.backends.mkldnn.is_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)  # an opaque oneDNN tensor; any row count works
-        out["onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        try:  # an opaque oneDNN tensor; one packing serves any row count
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        except RuntimeError as exc:  # e.g. bf16 without AVX-512 or AVX-NE-CONVERT: oneDNN refuses to pack
+            print(f"  oneDNN cannot pack {weight.dtype} here: {exc}")
+        else:
+            out["onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
         mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
         out["mkl_packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl, weight, None, rows)
