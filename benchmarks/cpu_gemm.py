@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu-gemm.json"))
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print("GEMMs of one decode step (every layer + LM head), ms:")
     for rows, totals in step.items():
         print(f"  rows={rows}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in totals.items()))
-    record = {"command": "python benchmarks/cpu_gemm.py " + " ".join(argv or []), "date": time.strftime("%Y-%m-%d"),
+    record = {"command": " ".join(["python benchmarks/cpu_gemm.py", *argv]), "date": time.strftime("%Y-%m-%d"),
               "cpu": platform.processor() or platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
               "threads": torch.get_num_threads(), "dtype": args.dtype, "model": config.architecture,
               "microseconds": results,
