@@ -58,9 +58,13 @@ class EngineConfig(BaseSettings):
                            "float32 (measured at start-up)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(None, gt=0, description="prompt + output tokens; None = model's limit")
-    kernel_backend: Literal["auto", "triton", "torch"] = Field(
-        "auto", description="auto = Triton kernels on CUDA, PyTorch references elsewhere; triton on a CPU needs "
+    kernel_backend: Literal["auto", "triton", "cpu", "torch"] = Field(
+        "auto", description="auto = Triton kernels on CUDA, on a CPU the C kernels built for the host at first use "
+                            "(the PyTorch references where no compiler builds them); triton on a CPU needs "
                             "TRITON_INTERPRET=1 (slow: for proving the kernels)")
+    cpu_weight_layout: Literal["auto", "plain", "packed"] = Field(
+        "auto", description="CPU linear layers: weights packed once for oneDNN, plain, or auto = per layer shape and "
+                            "row count, whichever was faster when timed at start-up")
     kernel_tuning: Literal["heuristic", "autotune"] = Field(
         "heuristic", description="fused-MoE launch configs: heuristic, or measured once per shape and kept in "
                                  "kernel_cache_dir")

@@ -149,10 +149,15 @@ def test_execution_is_decided_once(eager, device, backend, expected):
 
 def test_settled_is_frozen_and_names_every_choice(monkeypatch):
     monkeypatch.setattr(settle, "available_cores", lambda: 2)
-    settled = settle.settle(load_config(dtype="float32", num_threads=1, device="cpu"), SMALL)
+    config = load_config(dtype="float32", num_threads=1, device="cpu", cpu_weight_layout="packed")
+    settled = settle.settle(config, SMALL)
+    h, d = SMALL.hidden_size, SMALL.head_dim
+    shapes = {((SMALL.num_heads + 2 * SMALL.num_kv_heads) * d, h), (h, SMALL.num_heads * d),
+              (2 * SMALL.intermediate_size, h), (h, SMALL.intermediate_size), (SMALL.vocab_size, h)}
     assert settled == settle.Settled(device="cpu", dtype="float32", num_threads=1, kv_cache_dtype="bf16",
-                                     kernel_backend="torch", execution="eager", speculative_method="off",
-                                     tensor_parallel_size=1)  # TOKENMILL_ENFORCE_EAGER is set for the tests
+                                     kernel_backend="cpu", execution="eager", speculative_method="off",
+                                     tensor_parallel_size=1,  # TOKENMILL_ENFORCE_EAGER is set for the tests
+                                     linear_layouts=tuple((out, inp, 1) for out, inp in sorted(shapes)))
     with pytest.raises(AttributeError):
         settled.dtype = "bfloat16"
     assert settle.Settled(**settled.to_dict()) == settled  # what rank 0 broadcasts to its ranks

@@ -19,6 +19,7 @@ from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.settle import Settled
 from tokenmill.engine.warmup import compile_and_warm_up
 from tokenmill.kernels.backend import KernelChoice
+from tokenmill.kernels.cpu_linear import pack_linears
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.loader import Checkpoint, ModelLoadError, open_checkpoint
@@ -124,6 +125,10 @@ def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, conf
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"cannot build the model from {checkpoint.path}: {exc}") from None
     model.eval()
+    if settled.linear_layouts:
+        packed = pack_linears(model, {(out, inp): t for out, inp, t in settled.linear_layouts},
+                              skip=model.unpacked_linears)
+        log.info("linear layers: %d of them packed for oneDNN", packed)
 
     spec = model.kv_cache_spec(settled.kv_cache_dtype, config.block_size)
     num_blocks = tp.min(spec.num_blocks_for(_kv_budget(config, device)) - 1)  # less the cache's null block

@@ -5,13 +5,16 @@ receive rank 0's ``Settled``) read it.
 What is settled, and how ``auto`` resolves:
 - device: CUDA when torch sees one, else the CPU;
 - KV cache dtype: fp8 on CUDA (native fp8 reads in the Triton kernels), bf16 on a CPU (no vector fp8 conversion);
-- kernel backend: Triton on CUDA, the PyTorch references elsewhere (kernels/backend.py);
+- kernel backend: Triton on CUDA, the C kernels on a CPU where they build, else the PyTorch references
+  (kernels/backend.py);
 - compute dtype: bfloat16 on CUDA; on a CPU the faster of bfloat16 and float32 for the model's linear layers,
   measured here (engine/probe.py: interleaved rounds until two agree), or the hardware's known answer when the
   machine is too noisy to tell: bfloat16 with AMX or AVX-512-BF16, float32 without;
 - threads: on a CPU every core, or one fewer (left to the API process) where a proxy of the model's decode step
   (one synthetic layer of its shapes) runs as fast on them; every core when too noisy to tell; under tensor
   parallelism the cores shared out among the ranks;
+- CPU weight layouts: per linear layer shape, the row count from which a weight packed for oneDNN beats the plain
+  one, measured here (engine/layouts.py); the layers pack at load (kernels/cpu_linear.py);
 - execution: captured CUDA graphs (one GPU, Triton kernels), a compiled layer stack on a CPU, or eager;
 - drafting: the speculative method, checked against the checkpoint.
 """
@@ -28,6 +31,8 @@ from typing import Any, Literal
 import torch
 
 from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.distributed.group import TensorParallel
+from tokenmill.engine.layouts import Layouts, choose_layouts, describe, linear_shapes
 from tokenmill.engine.probe import Clock, Comparison, compare, repetitions
 from tokenmill.kernels.backend import resolve_kernel_backend
 from tokenmill.models.base import DecoderLM
@@ -60,10 +65,15 @@ class Settled:
     dtype: str  # compute dtype: "float32" | "bfloat16" | "float16"
     num_threads: int | None  # torch CPU threads of each rank; None on CUDA (torch's default)
     kv_cache_dtype: str  # "fp8" | "bf16" | "fp16" | "fp32"
-    kernel_backend: str  # "triton" | "torch"
+    kernel_backend: str  # "triton" | "cpu" | "torch"
     execution: Execution
     speculative_method: str  # "off" | "ngram" | "mtp"
     tensor_parallel_size: int
+    # CPU linear layers: ((out, in, packed_from_rows | None), ...) per shape (engine/layouts.py); () = all plain.
+    linear_layouts: Layouts = ()
+
+    def __post_init__(self):  # a broadcast copy may arrive with lists for tuples
+        object.__setattr__(self, "linear_layouts", tuple(tuple(row) for row in self.linear_layouts))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -90,13 +100,27 @@ def settle(config: EngineConfig, model_config: ModelConfig, clock: Clock = time.
         raise ConfigError(str(exc)) from None
     shapes = proxy_shapes(model_config)
     dtype = choose_dtype(config, device, shapes, clock)
+    threads = choose_threads(config, device, size, model_config, dtype, clock)
+    layouts: Layouts = ()
+    if device == "cpu":
+        layouts = choose_layouts(config.cpu_weight_layout, linear_shapes(meta_model(config, model_config, size)),
+                                 DTYPES[dtype], threads or torch.get_num_threads(), clock)
+        log.info("linear layers (%s): %s", config.cpu_weight_layout, describe(layouts))
     settled = Settled(
-        device=device, dtype=dtype, num_threads=choose_threads(config, device, size, model_config, dtype, clock),
-        kv_cache_dtype=kv_dtype, kernel_backend=backend,
+        device=device, dtype=dtype, num_threads=threads, kv_cache_dtype=kv_dtype, kernel_backend=backend,
         execution=choose_execution(config, device, backend, size, model_config),
-        speculative_method=config.speculative_method, tensor_parallel_size=size)
+        speculative_method=config.speculative_method, tensor_parallel_size=size, linear_layouts=layouts)
     log.info("settled: %s", ", ".join(f"{k}={v}" for k, v in settled.to_dict().items()))
     return settled
+
+
+def meta_model(config: EngineConfig, model_config: ModelConfig, size: int) -> DecoderLM:
+    """Rank 0's model on the meta device (no memory): what its layers' shapes are."""
+    extra: dict[str, Any] = {"mtp": True} if config.speculative_method == "mtp" else {}
+    if size > 1:
+        extra["tp"] = TensorParallel(0, size)
+    with torch.device("meta"):
+        return model_class_for(model_config)(model_config, **extra)
 
 
 def choose_device(config: EngineConfig) -> str:

@@ -119,9 +119,13 @@ def paged_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
                     scales: torch.Tensor | None, meta: AttentionMetadata, sm_scale: float,
                     backend: str = "torch") -> torch.Tensor:
-    """Dispatch: ``backend`` is a resolved kernel backend, "triton" or "torch" (kernels/backend.py)."""
+    """Dispatch: ``backend`` is a resolved kernel backend, "triton", "cpu" or "torch" (kernels/backend.py)."""
     if backend == "triton":
         from tokenmill.kernels.triton.paged_attention import paged_attention_triton
 
         return paged_attention_triton(q, k_new, v_new, data, scales, meta, sm_scale)
+    if backend == "cpu":
+        from tokenmill.kernels.cpu_attention import paged_attention_cpu
+
+        return paged_attention_cpu(q, k_new, v_new, data, scales, meta, sm_scale)
     return paged_attention_reference(q, k_new, v_new, data, scales, meta, sm_scale)

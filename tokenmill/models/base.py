@@ -26,6 +26,9 @@ class DecoderLM(nn.Module):
     fp32_params: tuple[str, ...] = ()
     # Whether ``decoder`` traces into one graph for torch.compile (models/compile.py).
     compilable: bool = True
+    # Names of nn.Linear children whose weight the model reads as a tensor: never swapped for a packed layer
+    # (kernels/cpu_linear.py).
+    unpacked_linears: tuple[str, ...] = ()
     config: ModelConfig
     # ``decoder`` as compiled by models/compile.py, or None (eager).
     compiled_decoder = None
@@ -67,7 +70,7 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> float32 logits [S, vocab] (every rank's vocabulary shard gathered)."""
-        logits = logits_with_exact_top(hidden, self.lm_head.weight)
+        logits = logits_with_exact_top(hidden, self.lm_head.weight, self.lm_head)
         return self.tp.all_gather_last(logits)[:, :self.config.vocab_size] if self.tp.size > 1 else logits
 
     def cast_parameters(self, dtype: torch.dtype) -> "DecoderLM":

@@ -78,6 +78,7 @@ class DeepseekMTP(nn.Module):
 
 class DeepseekForCausalLM(DeepseekWeights, DecoderLM):
     fp32_params = _FP32_PARAMS
+    unpacked_linears = ("kv_b_proj",)  # MLA absorbs its weight into the attention (models/layers/mla.py)
     compilable = False  # the MoE routes tokens with data-dependent shapes (per-expert token lists): eager for now
 
     def __init__(self, config: ModelConfig, kernels: KernelChoice = KernelChoice(), mtp: bool = False,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 # Leading candidates recomputed in float32. A 16-bit GEMM output is rounded (bf16: steps of 0.06 at a logit of
 # 16), which can tie or swap the best candidates (the default model's first answer token flipped); a token outside
@@ -11,9 +12,11 @@ import torch.nn.functional as F
 REFINED_CANDIDATES = 32
 
 
-def logits_with_exact_top(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """hidden [S, H], weight [V, H] -> float32 logits [S, V]; the top candidates equal a float32 GEMM's."""
-    logits = F.linear(hidden, weight).float()
+def logits_with_exact_top(hidden: torch.Tensor, weight: torch.Tensor, head: nn.Module | None = None
+                          ) -> torch.Tensor:
+    """hidden [S, H], weight [V, H] -> float32 logits [S, V]; the top candidates equal a float32 GEMM's. ``head``:
+    the layer that computes ``hidden @ weight.T`` (a packed one, kernels/cpu_linear.py); default ``F.linear``."""
+    logits = (head(hidden) if head is not None else F.linear(hidden, weight)).float()
     if weight.dtype == torch.float32:
         return logits
     top = logits.topk(min(REFINED_CANDIDATES, logits.shape[-1]), dim=-1).indices  # [S, k]

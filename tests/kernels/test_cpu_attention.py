@@ -1,0 +1,82 @@
+"""The C paged-attention kernel (kernels/cpu/paged_attention.c, backend "cpu") against the PyTorch reference, on the
+paging traps of tests/kernels/paging.py (permuted block tables, NaN in every unused slot, lengths 1 / block-aligned /
+unaligned, cached prefixes), every cache dtype, GQA groups from 1 to 6 and odd head sizes."""
+
+import pytest
+import torch
+
+from tests.kernels.paging import paged_batch, picker
+from tokenmill.kernels import cpu_attention
+from tokenmill.kernels.kv_write import write_kv
+from tokenmill.kernels.paged_attention import paged_attention
+
+# (tokens cached before this step, new tokens) per request.
+SHAPES = [(0, 1), (15, 1), (0, 16), (5, 6), (40, 1), (3, 33), (31, 1), (0, 2), (200, 1)]
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler on this machine")
+
+
+def attention_both_ways(batch, hkv, d):
+    write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping)
+    args = (batch.q, batch.new_kv[:, :hkv], batch.new_kv[:, hkv:], batch.data, batch.scales, batch.meta, d ** -0.5)
+    want = paged_attention(*args, backend="torch")
+    batch.meta._derived.clear()  # nothing the reference derived may leak into the other path
+    return paged_attention(*args, backend="cpu"), want
+
+
+@pytest.mark.parametrize("kv_dtype,q_dtype", [("fp8", torch.float32), ("fp8", torch.bfloat16),
+                                              ("fp16", torch.float16), ("bf16", torch.bfloat16),
+                                              ("bf16", torch.float32), ("fp32", torch.float32)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_cpu_paged_attention_matches_reference(kv_dtype, q_dtype, block_size):
+    hq, hkv, d = 6, 2, 40  # GQA group 3, head_dim not a multiple of the vector width
+    batch = paged_batch(SHAPES, hq, hkv, d, kv_dtype, block_size, num_blocks=512, q_dtype=q_dtype)
+    got, want = attention_both_ways(batch, hkv, d)
+    assert got.dtype == want.dtype and not got.isnan().any()
+    tol = TOLERANCE[q_dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_the_cpu_backend_reads_the_cache_in_place(monkeypatch):
+    """The dispatch really runs the C kernel, and no gather of the cache happens on the way."""
+    import tokenmill.kernels.paged_attention as reference
+
+    calls = []
+    real = cpu_attention.cache_attention
+    monkeypatch.setattr(cpu_attention, "cache_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(reference, "_gather", lambda *a, **k: pytest.fail("the cpu backend gathered the cache"))
+    batch = paged_batch(SHAPES, 4, 2, 16, "bf16", 4, num_blocks=512, q_dtype=torch.float32)
+    write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping)
+    args = (batch.q, batch.new_kv[:, :2], batch.new_kv[:, 2:], batch.data, batch.scales, batch.meta, 0.25)
+    paged_attention(*args, backend="cpu")
+    assert calls == [1]  # one kernel call serves every layer's whole batch: decodes and cached prefixes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches_match_reference(seed):
+    """Random mixes of decodes and prefill chunks, head layouts, head sizes and block sizes."""
+    gen = torch.Generator().manual_seed(seed)
+    pick = picker(gen)
+    hq, hkv = pick([(4, 4), (8, 2), (6, 1), (12, 4), (9, 3)])
+    d, block_size, kv_dtype = pick([16, 40, 64, 128]), pick([1, 4, 8, 16, 32]), pick(["fp8", "fp32", "bf16"])
+    shapes = [(int(torch.randint(0, 90, (1,), generator=gen)), pick([1, 1, 1, 2, 7, 19, 70]))
+              for _ in range(int(torch.randint(1, 9, (1,), generator=gen)))]
+    q_dtype = torch.bfloat16 if kv_dtype == "bf16" else torch.float32
+    batch = paged_batch(shapes, hq, hkv, d, kv_dtype, block_size, num_blocks=1024, q_dtype=q_dtype, seed=seed)
+    got, want = attention_both_ways(batch, hkv, d)
+    tol = TOLERANCE[q_dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_merge_equals_attention_over_the_union():
+    """Two partial attentions over disjoint keys, merged by log-sum-exp, are attention over all the keys."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, 2, 8, generator=gen) for _ in range(3))
+    k2, v2 = torch.randn(7, 2, 8, generator=gen), torch.randn(7, 2, 8, generator=gen)
+
+    def part(keys, values):
+        scores = torch.einsum("lhd,nhd->lhn", q, keys) * 0.3
+        return torch.einsum("lhn,nhd->lhd", scores.softmax(-1), values), scores.logsumexp(-1)
+    merged = cpu_attention.merge(*part(k, v), *part(k2, v2))
+    torch.testing.assert_close(merged, part(torch.cat([k, k2]), torch.cat([v, v2]))[0], atol=1e-6, rtol=1e-5)

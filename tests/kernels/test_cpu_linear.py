@@ -1,0 +1,97 @@
+"""Linear layers over weights packed once for oneDNN (kernels/cpu_linear.py) and the per-shape layout table that
+engine/layouts.py settles at start-up: same results as ``F.linear`` at every row count on both sides of a layer's
+threshold, eagerly and compiled (one graph across the threshold), and the table's rules."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.engine import layouts
+from tokenmill.engine.probe import Comparison
+from tokenmill.kernels.cpu_linear import PackedLinear, pack_linears, pack_weight
+
+ROWS = (1, 2, 3, 16, 257)
+
+
+def reference_linear(out_features=48, in_features=40, bias=True, dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Linear(in_features, out_features, bias=bias).to(dtype).requires_grad_(False)
+
+
+@pytest.mark.parametrize("threshold", [None, 1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_at_every_row_count(threshold, bias):
+    linear = reference_linear(bias=bias)
+    layer = PackedLinear(linear, threshold)
+    assert layer.packed_from_rows == threshold
+    assert (layer.weight is None) == (threshold == 1)  # one row and up packed: the plain copy is dropped
+    for rows in ROWS:
+        x = torch.randn(rows, 40)
+        torch.testing.assert_close(layer(x), F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+    x = torch.randn(2, 5, 40)  # leading dimensions are kept
+    torch.testing.assert_close(layer(x), F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_packs_where_onednn_can_and_stays_plain_where_it_cannot():
+    linear = reference_linear(dtype=torch.bfloat16)
+    layer = PackedLinear(linear, 1)
+    assert (layer.packed_from_rows is None) == (pack_weight(linear.weight) is None)
+    x = torch.randn(16, 40, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x), F.linear(x, linear.weight, linear.bias), atol=2e-2, rtol=2e-2)
+
+
+def test_compiled_graph_crosses_the_threshold_without_recompiling():
+    layer = PackedLinear(reference_linear(), 4)
+    compiled = torch.compile(lambda x: torch.relu(layer(x)) + 1, fullgraph=True, dynamic=True)
+    compiled(torch.randn(2, 40))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for rows in (3, 4, 9, 130):  # both sides of the threshold, one graph
+            x = torch.randn(rows, 40)
+            torch.testing.assert_close(compiled(x), torch.relu(F.linear(x, layer.weight, layer.bias)) + 1,
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_pack_linears_swaps_every_linear_and_keeps_shared_weights():
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.embed = nn.Embedding(64, 40)
+    model.up, model.skip_me, model.lm_head = nn.Linear(40, 48), nn.Linear(48, 40), nn.Linear(40, 64, bias=False)
+    model.lm_head.weight = model.embed.weight  # tied
+    model.requires_grad_(False)
+    x = torch.randn(5, 40)
+    want = model.lm_head(model.skip_me(model.up(x)))
+    packed = pack_linears(model, {(48, 40): 1, (64, 40): 1, (40, 48): 1}, skip=("skip_me",))
+    assert packed == 2 and type(model.skip_me) is nn.Linear
+    assert isinstance(model.up, PackedLinear) and model.up.weight is None
+    assert model.lm_head.weight is model.embed.weight  # the embedding still reads it
+    torch.testing.assert_close(model.lm_head(model.skip_me(model.up(x))), want, atol=1e-5, rtol=1e-5)
+
+
+def probe_with(monkeypatch, ratios):
+    """packed_from_rows with the rounds' verdicts (packed / plain time, None = too noisy) given per probed row."""
+    verdicts = iter(ratios)
+    monkeypatch.setattr(layouts, "compare", lambda *a, **k: Comparison(next(verdicts), (), 0.0))
+    return layouts.packed_from_rows.__wrapped__(48, 40, 2, torch.float32, 1)
+
+
+@pytest.mark.parametrize("ratios,threshold", [
+    ((1.5, 1.2, 0.8, 0.6, 0.7, 0.9), 4),  # plain wins below 4 rows
+    ((0.9, 0.8, 0.8, 0.6, 0.7, 0.9), 1),  # packed everywhere
+    ((0.9, 0.8, 0.8, 0.6, 0.7, 1.1), None),  # packed loses at the largest row count: never packed
+    ((0.9, 1.1, 0.8, 0.6, 0.7, 0.9), 4),  # a loss at 2 rows puts the threshold above it
+    ((None, None, None, None, None, None), layouts.FALLBACK_PACKED_FROM_ROWS),  # too noisy: the known answer
+])
+def test_threshold_is_the_smallest_row_count_from_which_packed_keeps_winning(monkeypatch, ratios, threshold):
+    assert len(ratios) == len(layouts.LAYOUT_PROBE_ROWS)
+    assert probe_with(monkeypatch, ratios) == threshold
+
+
+def test_layout_modes_and_the_memory_cap(monkeypatch):
+    shapes = {(48, 40): 3, (40, 48): 3}
+    assert layouts.choose_layouts("plain", shapes, torch.float32, 1) == ()
+    assert layouts.choose_layouts("packed", shapes, torch.float32, 1) == ((40, 48, 1), (48, 40, 1))
+    monkeypatch.setattr(layouts, "packed_from_rows", lambda out, inp, *a: 4 if out == 48 else None)
+    assert layouts.choose_layouts("auto", shapes, torch.float32, 1) == ((40, 48, None), (48, 40, 4))
+    monkeypatch.setattr(layouts, "available_memory", lambda: 1000)  # two copies of 48x40 no longer fit
+    assert layouts.choose_layouts("auto", shapes, torch.float32, 1) == ((40, 48, None), (48, 40, 1))

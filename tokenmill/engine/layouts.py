@@ -1,0 +1,129 @@
+"""The CPU weight layout of each linear layer shape, settled at start-up (kernels/cpu_linear.py runs it).
+
+For every distinct [out, in] shape of the model's linear layers, a plain weight (``F.linear``) is timed against the
+same weight packed for oneDNN, over the row counts the scheduler produces (a lone decode up to a prefill chunk). The
+result is a threshold: packed from ``packed_from_rows`` rows up, plain below, or never packed (None). Timings walk
+through as many distinct copies of the weight as the model has layers of that shape (up to COLD_BYTES), so a
+memory-bound call reads from memory, not from a cache that a real step would have evicted.
+
+A layer whose threshold is above one row keeps both layouts (the plain one for small calls): that costs one more
+copy of its weights, allowed while both copies of every such layer fit in MAX_DUAL_SHARE of the memory available;
+past that, every layer is packed from one row (one copy).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.engine.probe import Clock, compare, repetitions
+from tokenmill.kernels.cpu_linear import pack_weight, packed_linear
+
+log = logging.getLogger(__name__)
+
+# Rows timed: one decode, small and busy decode batches, a prefill chunk.
+LAYOUT_PROBE_ROWS = (1, 2, 4, 16, 64, 256)
+# Where the machine is too noisy to tell at some row count: oneDNN's packed kernels win from a few rows up on AVX2,
+# AVX-512 and AMX alike (benchmarks/cpu_gemm.py; vLLM packs every CPU linear layer).
+FALLBACK_PACKED_FROM_ROWS = 4
+# Bytes of weight copies a memory-bound timing walks through (beyond any CPU's last-level cache).
+COLD_BYTES = 96 * 2**20
+# Rows above this are compute-bound: one copy of the weight is enough.
+COLD_ROWS_MAX = 16
+# Seconds each (shape, rows) comparison may take.
+LAYOUT_BUDGET_S = 0.4
+MAX_DUAL_SHARE = 0.25
+
+Shape = tuple[int, int]  # (out_features, in_features)
+Layouts = tuple[tuple[int, int, "int | None"], ...]  # ((out, in, packed_from_rows), ...): the settled table
+
+
+def linear_shapes(model: torch.nn.Module) -> dict[Shape, int]:
+    """The model's packable linear layers (a model built on the meta device will do): {(out, in): how many}."""
+    skip = getattr(model, "unpacked_linears", ())
+    shapes: dict[Shape, int] = {}
+    for module in model.modules():
+        for name, child in module.named_children():
+            if type(child) is torch.nn.Linear and name not in skip:
+                key = (child.out_features, child.in_features)
+                shapes[key] = shapes.get(key, 0) + 1
+    return shapes
+
+
+def choose_layouts(mode: str, shapes: dict[Shape, int], dtype: torch.dtype, threads: int,
+                   clock: Clock = time.perf_counter) -> Layouts:
+    """The settled table for ``mode`` ("plain" | "packed" | "auto")."""
+    if mode == "plain" or not shapes:
+        return ()
+    if pack_weight(torch.zeros(8, 8, dtype=dtype)) is None:
+        log.info("linear layers: plain weights (oneDNN cannot pack %s on this CPU)", dtype)
+        return ()
+    if mode == "packed":
+        return tuple((out, inp, 1) for out, inp in sorted(shapes))
+    table = {}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for (out, inp), count in sorted(shapes.items()):
+            table[(out, inp)] = packed_from_rows(out, inp, count, dtype, threads, clock)
+    finally:
+        torch.set_num_threads(before)
+    dual = sum(2 * out * inp * shapes[(out, inp)] * _itemsize(dtype) for (out, inp), t in table.items()
+               if t is not None and t > 1)
+    if dual > MAX_DUAL_SHARE * available_memory():
+        log.info("linear layers: both layouts would take %.1f GiB: packed from one row instead", dual / 2**30)
+        table = {shape: 1 if t is not None else None for shape, t in table.items()}
+    return tuple((out, inp, t) for (out, inp), t in sorted(table.items()))
+
+
+def describe(layouts: Layouts) -> str:
+    return ", ".join(f"{out}x{inp}: " + ("plain" if t is None else f"packed from {t} rows" if t > 1 else "packed")
+                     for out, inp, t in layouts) or "all plain"
+
+
+@functools.lru_cache(maxsize=None)  # engines of one process (tests) share what a shape measured
+def packed_from_rows(out: int, inp: int, count: int, dtype: torch.dtype, threads: int,
+                     clock: Clock = time.perf_counter) -> int | None:
+    """The smallest probed row count from which packed is at least as fast at every larger probed count."""
+    copies = max(1, min(count, math.ceil(COLD_BYTES / (out * inp * _itemsize(dtype)))))
+    with torch.inference_mode():
+        weights = [torch.randn(out, inp, dtype=dtype) / math.sqrt(inp) for _ in range(copies)]
+        packed = [pack_weight(w) for w in weights]
+        wins = []
+        for rows in LAYOUT_PROBE_ROWS:
+            n = copies if rows <= COLD_ROWS_MAX else 1
+            x = torch.randn(rows, inp, dtype=dtype)
+            plain = lambda x=x, n=n: [F.linear(x, w) for w in weights[:n]]  # noqa: E731
+            blocked = lambda x=x, n=n: [packed_linear(x, p, None) for p in packed[:n]]  # noqa: E731
+            plain(), blocked()  # warm-up: first calls pick kernels
+            verdict = compare([(plain, blocked)], clock=clock, budget_s=LAYOUT_BUDGET_S,
+                              reps=[repetitions(plain, clock)])
+            wins.append(rows >= FALLBACK_PACKED_FROM_ROWS if verdict.ratio is None else verdict.ratio <= 1.0)
+    threshold = None
+    for rows, win in zip(reversed(LAYOUT_PROBE_ROWS), reversed(wins)):
+        if not win:
+            break
+        threshold = rows
+    log.debug("linear %dx%d (%s): packed wins at rows %s -> %s", out, inp, dtype,
+              [r for r, w in zip(LAYOUT_PROBE_ROWS, wins) if w], threshold)
+    return threshold
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2**62  # unknown: no cap
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

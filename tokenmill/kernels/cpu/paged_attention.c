@@ -1,0 +1,179 @@
+// Attention of queries over the paged KV cache, read in place through the block table (no gather), on a CPU.
+//
+// Built at first use by kernels/cpu_native.py with the host's compiler for the host's vector units
+// (-march=native); kernels/paged_attention.py holds the PyTorch reference it is tested against.
+//
+// Layout (kvcache/spec.py): cache[num_blocks + 1][block_size][2 * Hkv][D], K heads then V heads per token;
+// fp8 caches carry scales[num_blocks + 1][block_size][2 * Hkv] (value = e4m3(code) * scale).
+// Work is split into segments: segment s is q_len[s] consecutive queries (rows q_start[s].. of q [N][Hq][D], float32)
+// of the request whose block-table row is req[s], each seeing the first kv_len[s] tokens of that request's cache.
+// A decode is a segment of one query over its whole sequence; a prefill chunk is a segment of its queries over its
+// cached prefix (its own tokens are attended elsewhere and merged through ``lse``).
+// Output: out [N][Hq][D] float32 and lse [N][Hq] (natural log of the softmax denominator, scores scaled); a query
+// that sees no token gets out = 0, lse = -inf.
+// Online softmax over the cache one block at a time: each block's K/V are widened to float32 once per
+// (segment, KV head, query tile) and shared by the tile's G = Hq / Hkv heads of every query in it.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_F16 = 2, KIND_FP8 = 3 };
+
+#define TILE_ROWS 64  // query-head rows sharing one widened block
+#define NEG_BIG (-1e30f)  // the running maximum before any score (finite: built with -ffast-math)
+
+static float fp8_table[256];
+
+static float e4m3_value(int code) {
+    int sign = code & 0x80, exponent = (code >> 3) & 0xF, mantissa = code & 0x7;
+    float v;
+    if (exponent == 0xF && mantissa == 0x7) v = 0.0f;  // NaN code: the cache never holds it
+    else if (exponent == 0) v = ldexpf((float)mantissa / 8.0f, -6);
+    else v = ldexpf(1.0f + (float)mantissa / 8.0f, exponent - 7);
+    return sign ? -v : v;
+}
+
+static float f16_value(uint16_t h) {
+    int sign = h >> 15, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    float v;
+    if (exponent == 0) v = ldexpf((float)mantissa, -24);
+    else if (exponent == 31) v = mantissa ? NAN : INFINITY;
+    else v = ldexpf(1.0f + (float)mantissa / 1024.0f, exponent - 15);
+    return sign ? -v : v;
+}
+
+void tm_init(void) {
+    for (int i = 0; i < 256; i++) fp8_table[i] = e4m3_value(i);
+}
+
+// n values of one cache row (element kind) -> dst float32, times scale (fp8 only).
+static inline void widen(float *dst, const void *src, int64_t offset, int n, int kind, float scale) {
+    if (kind == KIND_F32) {
+        memcpy(dst, (const float *)src + offset, (size_t)n * sizeof(float));
+    } else if (kind == KIND_BF16) {
+        const uint16_t *p = (const uint16_t *)src + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) {
+            uint32_t bits = (uint32_t)p[i] << 16;
+            float f;
+            memcpy(&f, &bits, sizeof f);
+            dst[i] = f;
+        }
+    } else if (kind == KIND_F16) {
+        const uint16_t *p = (const uint16_t *)src + offset;
+        for (int i = 0; i < n; i++) dst[i] = f16_value(p[i]);
+    } else {
+        const uint8_t *p = (const uint8_t *)src + offset;
+        for (int i = 0; i < n; i++) dst[i] = fp8_table[p[i]] * scale;
+    }
+}
+
+static void attend_tile(const float *q, float *out, float *lse, const void *cache, const float *scales, int kind,
+                        const int64_t *blocks, int kv_len, int q_first, int q_count, int h, int Hq, int Hkv, int D,
+                        int block_size, float sm_scale, float *kbuf, float *vbuf, float *acc, float *scores) {
+    const int G = Hq / Hkv, rows = q_count * G, slots = 2 * Hkv;
+    float m[TILE_ROWS], l[TILE_ROWS];
+    const float *qrow[TILE_ROWS];
+    for (int r = 0; r < rows; r++) {
+        m[r] = NEG_BIG;
+        l[r] = 0.0f;
+        qrow[r] = q + ((int64_t)(q_first + r / G) * Hq + h * G + r % G) * D;
+        memset(acc + (int64_t)r * D, 0, (size_t)D * sizeof(float));
+    }
+    for (int start = 0; start < kv_len; start += block_size) {
+        const int n = kv_len - start < block_size ? kv_len - start : block_size;
+        const int64_t block = blocks[start / block_size];
+        for (int t = 0; t < n; t++) {
+            const int64_t token = block * block_size + t;
+            const float ks = scales ? scales[token * slots + h] : 1.0f;
+            const float vs = scales ? scales[token * slots + Hkv + h] : 1.0f;
+            widen(kbuf + (int64_t)t * D, cache, (token * slots + h) * D, D, kind, ks);
+            widen(vbuf + (int64_t)t * D, cache, (token * slots + Hkv + h) * D, D, kind, vs);
+        }
+        for (int r = 0; r < rows; r++) {
+            const float *qr = qrow[r];
+            float *a = acc + (int64_t)r * D;
+            float block_max = NEG_BIG;
+            for (int t = 0; t < n; t++) {
+                const float *k = kbuf + (int64_t)t * D;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < D; d++) s += qr[d] * k[d];
+                s *= sm_scale;
+                scores[t] = s;
+                block_max = s > block_max ? s : block_max;
+            }
+            const float m_new = block_max > m[r] ? block_max : m[r];
+            const float correction = expf(m[r] - m_new);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int t = 0; t < n; t++) {
+                scores[t] = expf(scores[t] - m_new);
+                sum += scores[t];
+            }
+            l[r] = l[r] * correction + sum;
+            m[r] = m_new;
+#pragma omp simd
+            for (int d = 0; d < D; d++) a[d] *= correction;
+            for (int t = 0; t < n; t++) {
+                const float p = scores[t];
+                const float *v = vbuf + (int64_t)t * D;
+#pragma omp simd
+                for (int d = 0; d < D; d++) a[d] += p * v[d];
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const int64_t row = (int64_t)(q_first + r / G) * Hq + h * G + r % G;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int d = 0; d < D; d++) out[row * D + d] = acc[(int64_t)r * D + d] * inv;
+        if (lse) lse[row] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
+    }
+}
+
+// Returns 0, or -1 when a thread's scratch could not be allocated (nothing is written then but partial rows).
+int tm_paged_attention(const float *q, float *out, float *lse, const void *cache, const float *scales, int kind,
+                       const int64_t *block_tables, int64_t table_stride, const int32_t *req, const int32_t *q_start,
+                       const int32_t *q_len, const int32_t *kv_len, int num_segments, int Hq, int Hkv, int D,
+                       int block_size, float sm_scale, int threads) {
+    const int G = Hq / Hkv;
+    const int tile_queries = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;
+    // Work items: (segment, KV head, query tile); tiles of a segment are counted from the prefix sums below.
+    int64_t total = 0;
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(num_segments + 1));
+    if (!first) return -1;
+    for (int s = 0; s < num_segments; s++) {
+        first[s] = total;
+        total += (int64_t)Hkv * ((q_len[s] + tile_queries - 1) / tile_queries);
+    }
+    first[num_segments] = total;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scratch = malloc(sizeof(float) * ((size_t)2 * block_size * D + (size_t)TILE_ROWS * D + block_size));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int s = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < total; item++) {
+            if (!scratch) continue;
+            while (first[s + 1] <= item) s++;
+            while (first[s] > item) s--;
+            const int64_t local = item - first[s];
+            const int h = (int)(local % Hkv), tile = (int)(local / Hkv);
+            const int q0 = tile * tile_queries;
+            const int count = q_len[s] - q0 < tile_queries ? q_len[s] - q0 : tile_queries;
+            float *kbuf = scratch, *vbuf = kbuf + (size_t)block_size * D, *acc = vbuf + (size_t)block_size * D;
+            attend_tile(q, out, lse, cache, scales, kind, block_tables + (int64_t)req[s] * table_stride, kv_len[s],
+                        q_start[s] + q0, count, h, Hq, Hkv, D, block_size, sm_scale, kbuf, vbuf, acc,
+                        acc + (size_t)TILE_ROWS * D);
+        }
+        free(scratch);
+    }
+    free(first);
+    return failed ? -1 : 0;
+}

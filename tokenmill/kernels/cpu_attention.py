@@ -1,0 +1,96 @@
+"""Paged attention on a CPU without a gather: the C kernel of kernels/cpu/paged_attention.c walks each request's
+block table in place (per request, per KV head, online softmax over blocks), for every cache dtype (fp32, bf16,
+fp16, fp8 with its scales).
+
+Same contract as kernels/paged_attention.py's reference (shapes, null block, what each query sees):
+- a decode (one query) attends its whole sequence from the cache in one kernel segment;
+- a prefill chunk attends its cached prefix from the cache (a segment of all its queries, no mask needed: every
+  query sees the whole prefix) and its own tokens, unquantized from ``k_new``/``v_new``, through PyTorch's flash
+  SDPA (causal); the two partial softmaxes are merged by their log-sum-exps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.kernels.cpu_native import library
+from tokenmill.kernels.metadata import AttentionMetadata
+
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def cache_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor,
+                    segments: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, Hq, D] over the cache -> (out [N, Hq, D] float32, lse [N, Hq] float32) for the rows the segments
+    cover (others undefined). ``segments`` [4, S] int32: block-table row, first query row, query count, cache
+    tokens seen."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not built (kernels/cpu_native.py logged why)")
+    q32 = q.float().contiguous()
+    num_tokens, hq, dim = q32.shape
+    hkv = data.shape[2] // 2
+    out = torch.empty_like(q32)
+    lse = torch.empty(num_tokens, hq, dtype=torch.float32)
+    tables = block_tables if block_tables.dtype == torch.int64 else block_tables.long()
+    tables = tables.contiguous()
+    segments = segments.contiguous()
+    code = lib.tm_paged_attention(
+        q32.data_ptr(), out.data_ptr(), lse.data_ptr(), data.data_ptr(),
+        scales.data_ptr() if scales is not None else None, KINDS[data.dtype], tables.data_ptr(), tables.stride(0),
+        segments[0].data_ptr(), segments[1].data_ptr(), segments[2].data_ptr(), segments[3].data_ptr(),
+        segments.shape[1], hq, hkv, dim, data.shape[1], sm_scale, torch.get_num_threads())
+    if code != 0:
+        raise MemoryError("CPU paged attention: scratch allocation failed")
+    return out, lse
+
+
+def _segments(meta: AttentionMetadata) -> torch.Tensor:
+    """[4, S] int32 (built once per step): every decode, and every prefill chunk with a cached prefix."""
+    rows, decodes = [], set(meta.decode_indices)
+    for i in range(len(meta.seq_lens)):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        kv = meta.seq_lens[i] if i in decodes else meta.seq_lens[i] - (end - start)
+        if kv > 0:
+            rows.append((i, start, end - start, kv))
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).t().contiguous()
+
+
+def own_tokens_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's causal attention over its own tokens: q [L, Hq, D], k/v [L, Hkv, D] -> (out [L, Hq, D] float32,
+    lse [L, Hq])."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) if group > 1 else t for t in (k, v))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype), 0.0,
+        True, scale=sm_scale)
+    return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Two partial softmax attentions over disjoint keys ([L, H, D] with their [L, H] log-sum-exps) -> one."""
+    top = torch.maximum(lse_a, lse_b)
+    wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    return (out_a * wa[..., None] + out_b * wb[..., None]) / (wa + wb)[..., None]
+
+
+def paged_attention_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
+                        scales: torch.Tensor | None, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
+    segments = meta.derived("cpu_segments", lambda: _segments(meta))
+    from_cache, lse = cache_attention(q, data, scales, meta.block_tables, segments, sm_scale) \
+        if segments.shape[1] else (None, None)
+    if not meta.prefill_indices:
+        return from_cache.to(q.dtype)
+    out = torch.empty_like(q) if from_cache is None else from_cache.to(q.dtype)
+    for i in meta.prefill_indices:
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        own, own_lse = own_tokens_attention(q[start:end], k_new[start:end], v_new[start:end], sm_scale)
+        if meta.seq_lens[i] > end - start:  # a cached prefix: merge its part in
+            own = merge(from_cache[start:end], lse[start:end], own, own_lse)
+        out[start:end] = own.to(q.dtype)
+    return out

@@ -1,0 +1,118 @@
+"""Dense linear layers on a CPU over weights packed once, at load, into oneDNN's blocked layout.
+
+``F.linear`` on a plain weight lets the BLAS (or oneDNN, for bfloat16) re-block the weight on every call; a packed
+weight (``torch.ops.mkldnn._reorder_linear_weight``) is blocked once for the host's best kernel (AVX2, AVX-512, AMX)
+and read as is. Packed wins from a few rows up; at one row (a lone decode) the plain matrix-vector product can read
+the weight faster (benchmarks/cpu_gemm.py). So each layer keeps what its shape's measured ``packed_from_rows``
+threshold needs (engine/settle.py decides it per shape at start-up; it is in the settled config): the packed weight,
+the plain one, or both, and picks per call by the call's row count.
+
+Inside a compiled graph each layer is one opaque op (``tokenmill::cpu_linear``) that finds its layer by handle:
+inductor cannot take an opaque packed tensor as a graph input, and the per-call choice by row count must not become
+a guard on the dynamic token count.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# The row count oneDNN is told to expect when it blocks a weight (a busy decode step): the layout it picks for it
+# serves every row count (benchmarks/cpu_gemm.py packs the same way).
+PACK_ROWS_HINT = 16
+
+# Live packed layers by handle; an entry goes when its layer is collected (engines come and go in one process).
+_layers: dict[int, weakref.ref] = {}
+_handles = itertools.count()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [out, in] blocked for oneDNN's linear, or None where oneDNN cannot pack this dtype on this CPU
+    (bfloat16 without AVX-512 or AMX)."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
+        torch.ops.mkldnn._linear_pointwise(weight.new_zeros(1, weight.shape[1]), packed, None, "none", [], "")
+    except (RuntimeError, AttributeError) as exc:
+        log.debug("oneDNN cannot pack a %s weight here: %s", weight.dtype, exc)
+        return None
+    return packed
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] contiguous over a ``pack_weight`` result -> [rows, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` after loading: packed from ``packed_from_rows`` rows up (None: never), plain below it.
+
+    Invariant: ``weight`` is kept exactly when a call can take the plain path (fewer rows than the threshold) or
+    ``keep_plain`` says someone else reads it (a tied embedding, the LM head's float32 refinement)."""
+
+    def __init__(self, linear: nn.Linear, packed_from_rows: int | None, keep_plain: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
+        self._packed = pack_weight(linear.weight) if packed_from_rows is not None else None
+        self.packed_from_rows = packed_from_rows if self._packed is not None else None
+        plain_needed = keep_plain or self.packed_from_rows is None or self.packed_from_rows > 1
+        self.weight = linear.weight if plain_needed else None
+        self.handle = next(_handles)
+        _layers[self.handle] = weakref.ref(self, lambda _, handle=self.handle: _layers.pop(handle, None))
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        if self.packed_from_rows is not None and rows.shape[0] >= self.packed_from_rows:
+            out = packed_linear(rows, self._packed, self.bias)
+        else:
+            out = F.linear(rows, self.weight, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear(x, self.handle, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"packed_from_rows={self.packed_from_rows}"
+
+
+@torch.library.custom_op("tokenmill::cpu_linear", mutates_args=())
+def cpu_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """x [..., in] -> [..., out] through the PackedLinear of ``handle``."""
+    layer = _layers[handle]()
+    if layer is None:
+        raise RuntimeError(f"cpu_linear: layer {handle} is gone")
+    return layer.run(x)
+
+
+@cpu_linear.register_fake
+def _(x, handle, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def pack_linears(model: nn.Module, packed_from_rows: dict[tuple[int, int], int | None],
+                 keep_plain: tuple[str, ...] = ("lm_head",), skip: tuple[str, ...] = ()) -> int:
+    """Swap every ``nn.Linear`` of ``model`` (but those named in ``skip``, whose weight others read as a tensor) for
+    a PackedLinear with its shape's threshold from ``packed_from_rows`` (a shape not in it stays plain). Returns how
+    many layers were packed."""
+    counts: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        counts[id(param)] = counts.get(id(param), 0) + 1
+    swaps = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if type(child) is not nn.Linear or child_name in skip:
+                continue
+            threshold = packed_from_rows.get((child.out_features, child.in_features))
+            shared = counts[id(child.weight)] > 1
+            swaps.append((module, child_name, PackedLinear(child, threshold, shared or child_name in keep_plain)))
+    for module, child_name, packed in swaps:
+        setattr(module, child_name, packed)
+    return sum(1 for *_, packed in swaps if packed.packed_from_rows is not None)

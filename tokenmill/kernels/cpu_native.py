@@ -1,0 +1,97 @@
+"""The C kernels of kernels/cpu/, compiled at first use for this host and loaded through ctypes.
+
+Why C through ctypes, not a torch C++ extension: the kernels need raw pointers and OpenMP only, so they build from
+one small C file in about a second with the C compiler that torch.compile's inductor already needs on a CPU (no
+torch headers, no build step at install, nothing to go stale against a torch upgrade). ``-march=native`` makes
+each build the host's own (AVX2, AVX-512, ...), so the library is cached per source, compiler flags and CPU model
+under ``kernel_cache_dir``. No compiler, or a failed build: ``library()`` is None and callers use the PyTorch
+references (a warning says why).
+
+The OpenMP runtime is the process's: torch's wheels load libgomp first, and the library links to it by soname.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).parent / "cpu" / "paged_attention.c",)
+# fast-math's reassociation lets the reductions and expf vectorize (glibc's libmvec); finite sentinels are used in
+# place of infinities inside the loops.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-shared")
+DEFAULT_CACHE_DIR = "~/.cache/tokenmill/kernels"
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("model name", "flags")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(cache_dir: Path) -> ctypes.CDLL | None:
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("CPU kernels: no C compiler found (cc, gcc, clang): the PyTorch references run instead")
+        return None
+    key = hashlib.sha256()
+    for source in SOURCES:
+        key.update(source.read_bytes())
+    key.update(" ".join((compiler, *FLAGS, _cpu_model(), platform.machine())).encode())
+    target = cache_dir / f"tokenmill_cpu_{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+            built = Path(tmp) / target.name
+            cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"]
+            try:
+                result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                log.warning("CPU kernels: %s failed (%s): the PyTorch references run instead", compiler, exc)
+                return None
+            if result.returncode != 0:
+                log.warning("CPU kernels: %s failed: the PyTorch references run instead\n%s", " ".join(cmd),
+                            result.stderr[-2000:])
+                return None
+            os.replace(built, target)  # atomic: a concurrent builder finds a whole library or none
+    lib = ctypes.CDLL(str(target))
+    lib.tm_init()
+    lib.tm_paged_attention.restype = ctypes.c_int
+    lib.tm_paged_attention.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def library(cache_dir: str = DEFAULT_CACHE_DIR) -> ctypes.CDLL | None:
+    """The built library (built once per process and cached on disk), or None where it cannot be built."""
+    with _lock:
+        if cache_dir not in _loaded:
+            try:
+                _loaded[cache_dir] = _build(Path(cache_dir).expanduser())
+            except OSError as exc:
+                log.warning("CPU kernels: cannot build or load (%s): the PyTorch references run instead", exc)
+                _loaded[cache_dir] = None
+        return _loaded[cache_dir]
