@@ -35,6 +35,7 @@ from tokenmill.distributed.group import TensorParallel
 from tokenmill.engine.layouts import Layouts, choose_layouts, describe, linear_shapes
 from tokenmill.engine.probe import Clock, Comparison, compare, repetitions
 from tokenmill.kernels.backend import resolve_kernel_backend
+from tokenmill.kernels.cpu_linear import pack_weight, packed_linear
 from tokenmill.models.base import DecoderLM
 from tokenmill.models.config import ModelConfig, tp_split
 from tokenmill.models.registry import model_class_for
@@ -216,13 +217,17 @@ def choose_dtype(config: EngineConfig, device: str, shapes: dict[str, int], cloc
 @torch.inference_mode()
 def time_bf16_over_fp32(out_features: int, in_features: int, rows: tuple[int, ...] = DTYPE_PROBE_ROWS,
                         clock: Clock = time.perf_counter, budget_s: float = PROBE_BUDGET_S) -> Comparison:
-    """``F.linear`` in float32 (A) against bfloat16 (B), one case per batch of ``rows`` rows."""
+    """A linear layer in float32 (A) against bfloat16 (B), one case per batch of ``rows`` rows, each as the engine
+    would run it: packed for oneDNN from two rows up where this CPU packs the dtype (kernels/cpu_linear.py), plain
+    otherwise (an AMX host's bfloat16 is slow plain, re-blocked on every call, and fast packed)."""
     cases, reps = [], []
     for m in rows:
         pair = []
         for dtype in (torch.float32, torch.bfloat16):
             x, w = torch.randn(m, in_features, dtype=dtype), torch.randn(out_features, in_features, dtype=dtype)
-            work = lambda x=x, w=w: torch.nn.functional.linear(x, w)  # noqa: E731
+            packed = pack_weight(w) if m > 1 else None
+            work = (lambda x=x, w=w: torch.nn.functional.linear(x, w)) if packed is None else \
+                (lambda x=x, packed=packed: packed_linear(x, packed, None))
             work()  # warm-up: first calls pick kernels, fault pages in
             pair.append(work)
         cases.append(tuple(pair))
@@ -281,19 +286,24 @@ def time_fewer_over_all_threads(shapes: dict[str, int], dtype: torch.dtype, core
 
 def decode_layer_proxy(shapes: dict[str, int], dtype: torch.dtype, batch: int, context: int = 256):
     """One synthetic decoder layer of the model's widths (norms, projections, attention over ``context`` cached
-    tokens, gated MLP) decoding ``batch`` tokens: the op mix whose threading the decode step depends on."""
+    tokens, gated MLP) decoding ``batch`` tokens: the op mix whose threading the decode step depends on (its
+    linear layers packed from two rows up, as kernels/cpu_linear.py runs them on most hosts)."""
     h, inter, heads, kv, d = (shapes[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
-    w = lambda rows, cols: torch.randn(rows, cols, dtype=dtype) / math.sqrt(cols)  # noqa: E731
-    w_qkv, w_o, w_gate_up, w_down = w((heads + 2 * kv) * d, h), w(h, heads * d), w(2 * inter, h), w(h, inter)
+    def w(rows: int, cols: int):  # a linear layer as the engine runs it: packed where oneDNN packs this dtype
+        weight = torch.randn(rows, cols, dtype=dtype) / math.sqrt(cols)
+        packed = pack_weight(weight) if batch > 1 else None
+        return (lambda t: packed_linear(t, packed, None)) if packed is not None else \
+            (lambda t: torch.nn.functional.linear(t, weight))
+    qkv, o, gate_up, down = w((heads + 2 * kv) * d, h), w(h, heads * d), w(2 * inter, h), w(h, inter)
     x = torch.randn(batch, h, dtype=dtype)
     k_cache = torch.randn(batch, kv, context, d, dtype=dtype)
     v_cache = torch.randn(batch, kv, context, d, dtype=dtype)
     norm = lambda t: t * torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(dtype)  # noqa: E731
 
     def layer() -> torch.Tensor:
-        q = torch.nn.functional.linear(norm(x), w_qkv)[:, :heads * d].view(batch, heads, 1, d)
+        q = qkv(norm(x))[:, :heads * d].reshape(batch, heads, 1, d)
         attn = torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=heads != kv)
-        y = x + torch.nn.functional.linear(attn.reshape(batch, heads * d), w_o)
-        gate, up = torch.nn.functional.linear(norm(y), w_gate_up).chunk(2, dim=-1)
-        return y + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w_down)
+        y = x + o(attn.reshape(batch, heads * d))
+        gate, up = gate_up(norm(y)).chunk(2, dim=-1)
+        return y + down(torch.nn.functional.silu(gate) * up)
     return layer

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 SOURCES = (Path(__file__).parent / "cpu" / "paged_attention.c",)
 # fast-math's reassociation lets the reductions and expf vectorize (glibc's libmvec); finite sentinels are used in
 # place of infinities inside the loops.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-ffast-math", "-fPIC", "-shared")
 DEFAULT_CACHE_DIR = "~/.cache/tokenmill/kernels"
 
 _lock = threading.Lock()

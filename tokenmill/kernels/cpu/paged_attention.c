@@ -70,89 +70,123 @@ static inline void widen(float *dst, const void *src, int64_t offset, int n, int
     }
 }
 
+// One query-head row over one widened block of n tokens (token t's head at kbuf + t * stride): scores, the online-softmax update of (m, l), acc += p V.
+// Always inlined with D a constant where the caller knows it (64, 128): the loops unroll and the accumulator row
+// stays in registers.
+static inline __attribute__((always_inline)) void row_over_block(
+        const float *restrict qr, float *restrict a, const float *restrict kbuf, const float *restrict vbuf, int n,
+        int stride, const int D, float sm_scale, float *restrict m, float *restrict l, float *restrict scores) {
+    float block_max = NEG_BIG;
+    for (int t = 0; t < n; t++) {
+        const float *restrict k = kbuf + (int64_t)t * stride;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int d = 0; d < D; d++) s += qr[d] * k[d];
+        s *= sm_scale;
+        scores[t] = s;
+        block_max = s > block_max ? s : block_max;
+    }
+    const float m_new = block_max > *m ? block_max : *m;
+    const float correction = expf(*m - m_new);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < n; t++) {
+        scores[t] = expf(scores[t] - m_new);
+        sum += scores[t];
+    }
+    *l = *l * correction + sum;
+    *m = m_new;
+    float acc[D];
+#pragma omp simd
+    for (int d = 0; d < D; d++) acc[d] = a[d] * correction;
+    for (int t = 0; t < n; t++) {
+        const float p = scores[t];
+        const float *restrict v = vbuf + (int64_t)t * stride;
+#pragma omp simd
+        for (int d = 0; d < D; d++) acc[d] += p * v[d];
+    }
+#pragma omp simd
+    for (int d = 0; d < D; d++) a[d] = acc[d];
+}
+
+// KV heads h0 .. h0 + hc - 1 of one tile of queries over the first kv_len tokens of a request's cache. Rows are
+// (query, head, group member): r = (qi * hc + hh) * G + g.
 static void attend_tile(const float *q, float *out, float *lse, const void *cache, const float *scales, int kind,
-                        const int64_t *blocks, int kv_len, int q_first, int q_count, int h, int Hq, int Hkv, int D,
-                        int block_size, float sm_scale, float *kbuf, float *vbuf, float *acc, float *scores) {
-    const int G = Hq / Hkv, rows = q_count * G, slots = 2 * Hkv;
+                        const int64_t *blocks, int kv_len, int q_first, int q_count, int h0, int hc, int Hq, int Hkv,
+                        int D, int block_size, float sm_scale, float *kbuf, float *vbuf, float *acc, float *scores) {
+    const int G = Hq / Hkv, rows = q_count * hc * G, slots = 2 * Hkv;
     float m[TILE_ROWS], l[TILE_ROWS];
     const float *qrow[TILE_ROWS];
+    int64_t out_row[TILE_ROWS];
     for (int r = 0; r < rows; r++) {
+        const int qi = r / (hc * G), hh = (r / G) % hc, g = r % G;
+        out_row[r] = (int64_t)(q_first + qi) * Hq + (h0 + hh) * G + g;
         m[r] = NEG_BIG;
         l[r] = 0.0f;
-        qrow[r] = q + ((int64_t)(q_first + r / G) * Hq + h * G + r % G) * D;
+        qrow[r] = q + out_row[r] * D;
         memset(acc + (int64_t)r * D, 0, (size_t)D * sizeof(float));
     }
+    const int width = hc * D;  // floats of one token's K (or V) heads in the buffers
     for (int start = 0; start < kv_len; start += block_size) {
         const int n = kv_len - start < block_size ? kv_len - start : block_size;
         const int64_t block = blocks[start / block_size];
         for (int t = 0; t < n; t++) {
             const int64_t token = block * block_size + t;
-            const float ks = scales ? scales[token * slots + h] : 1.0f;
-            const float vs = scales ? scales[token * slots + Hkv + h] : 1.0f;
-            widen(kbuf + (int64_t)t * D, cache, (token * slots + h) * D, D, kind, ks);
-            widen(vbuf + (int64_t)t * D, cache, (token * slots + Hkv + h) * D, D, kind, vs);
+            if (scales) {  // one scale per token and head: widen head by head
+                for (int hh = 0; hh < hc; hh++) {
+                    const int64_t k_slot = token * slots + h0 + hh, v_slot = k_slot + Hkv;
+                    widen(kbuf + (int64_t)t * width + hh * D, cache, k_slot * D, D, kind, scales[k_slot]);
+                    widen(vbuf + (int64_t)t * width + hh * D, cache, v_slot * D, D, kind, scales[v_slot]);
+                }
+            } else {  // the heads are adjacent in the cache: one run each for K and V
+                widen(kbuf + (int64_t)t * width, cache, (token * slots + h0) * D, width, kind, 1.0f);
+                widen(vbuf + (int64_t)t * width, cache, (token * slots + Hkv + h0) * D, width, kind, 1.0f);
+            }
         }
         for (int r = 0; r < rows; r++) {
-            const float *qr = qrow[r];
+            const int hh = (r / G) % hc;
             float *a = acc + (int64_t)r * D;
-            float block_max = NEG_BIG;
-            for (int t = 0; t < n; t++) {
-                const float *k = kbuf + (int64_t)t * D;
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int d = 0; d < D; d++) s += qr[d] * k[d];
-                s *= sm_scale;
-                scores[t] = s;
-                block_max = s > block_max ? s : block_max;
-            }
-            const float m_new = block_max > m[r] ? block_max : m[r];
-            const float correction = expf(m[r] - m_new);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int t = 0; t < n; t++) {
-                scores[t] = expf(scores[t] - m_new);
-                sum += scores[t];
-            }
-            l[r] = l[r] * correction + sum;
-            m[r] = m_new;
-#pragma omp simd
-            for (int d = 0; d < D; d++) a[d] *= correction;
-            for (int t = 0; t < n; t++) {
-                const float p = scores[t];
-                const float *v = vbuf + (int64_t)t * D;
-#pragma omp simd
-                for (int d = 0; d < D; d++) a[d] += p * v[d];
-            }
+            const float *k = kbuf + hh * D, *v = vbuf + hh * D;
+            if (D == 64)
+                row_over_block(qrow[r], a, k, v, n, width, 64, sm_scale, m + r, l + r, scores);
+            else if (D == 128)
+                row_over_block(qrow[r], a, k, v, n, width, 128, sm_scale, m + r, l + r, scores);
+            else
+                row_over_block(qrow[r], a, k, v, n, width, D, sm_scale, m + r, l + r, scores);
         }
     }
     for (int r = 0; r < rows; r++) {
-        const int64_t row = (int64_t)(q_first + r / G) * Hq + h * G + r % G;
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int d = 0; d < D; d++) out[row * D + d] = acc[(int64_t)r * D + d] * inv;
-        if (lse) lse[row] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
+        for (int d = 0; d < D; d++) out[out_row[r] * D + d] = acc[(int64_t)r * D + d] * inv;
+        if (lse) lse[out_row[r]] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
     }
 }
 
-// Returns 0, or -1 when a thread's scratch could not be allocated (nothing is written then but partial rows).
+// Returns 0, or -1 when a thread's scratch could not be allocated (then some rows are left unwritten).
 int tm_paged_attention(const float *q, float *out, float *lse, const void *cache, const float *scales, int kind,
                        const int64_t *block_tables, int64_t table_stride, const int32_t *req, const int32_t *q_start,
                        const int32_t *q_len, const int32_t *kv_len, int num_segments, int Hq, int Hkv, int D,
                        int block_size, float sm_scale, int threads) {
     const int G = Hq / Hkv;
-    const int tile_queries = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;
-    // Work items: (segment, KV head, query tile); tiles of a segment are counted from the prefix sums below.
+    // A work item takes every KV head of its queries (one sweep over each token's contiguous K/V heads) when there
+    // are enough segments to keep the threads busy; else one head (more, smaller items).
+    const int hc = num_segments >= 2 * threads && G * Hkv <= TILE_ROWS ? Hkv : 1;
+    const int tile_queries = TILE_ROWS / (G * hc) > 0 ? TILE_ROWS / (G * hc) : 1;
+    const int head_groups = Hkv / hc;
+    // Work items: (segment, head group, query tile), numbered through the prefix sums below.
     int64_t total = 0;
     int64_t *first = malloc(sizeof(int64_t) * (size_t)(num_segments + 1));
     if (!first) return -1;
     for (int s = 0; s < num_segments; s++) {
         first[s] = total;
-        total += (int64_t)Hkv * ((q_len[s] + tile_queries - 1) / tile_queries);
+        total += (int64_t)head_groups * ((q_len[s] + tile_queries - 1) / tile_queries);
     }
     first[num_segments] = total;
     int failed = 0;
+    const size_t width = (size_t)hc * D;
 #pragma omp parallel num_threads(threads)
     {
-        float *scratch = malloc(sizeof(float) * ((size_t)2 * block_size * D + (size_t)TILE_ROWS * D + block_size));
+        float *scratch = malloc(sizeof(float) * (2 * block_size * width + (size_t)TILE_ROWS * D + block_size));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -164,12 +198,12 @@ int tm_paged_attention(const float *q, float *out, float *lse, const void *cache
             while (first[s + 1] <= item) s++;
             while (first[s] > item) s--;
             const int64_t local = item - first[s];
-            const int h = (int)(local % Hkv), tile = (int)(local / Hkv);
+            const int h0 = (int)(local % head_groups) * hc, tile = (int)(local / head_groups);
             const int q0 = tile * tile_queries;
             const int count = q_len[s] - q0 < tile_queries ? q_len[s] - q0 : tile_queries;
-            float *kbuf = scratch, *vbuf = kbuf + (size_t)block_size * D, *acc = vbuf + (size_t)block_size * D;
+            float *kbuf = scratch, *vbuf = kbuf + block_size * width, *acc = vbuf + block_size * width;
             attend_tile(q, out, lse, cache, scales, kind, block_tables + (int64_t)req[s] * table_stride, kv_len[s],
-                        q_start[s] + q0, count, h, Hq, Hkv, D, block_size, sm_scale, kbuf, vbuf, acc,
+                        q_start[s] + q0, count, h0, hc, Hq, Hkv, D, block_size, sm_scale, kbuf, vbuf, acc,
                         acc + (size_t)TILE_ROWS * D);
         }
         free(scratch);
