@@ -1,11 +1,13 @@
-"""Decode attention of one layer over the paged cache, by cache dtype, on this machine's CPU.
+"""Decode attention of one layer over the paged cache, by kernel backend and cache dtype, on this machine's CPU.
 
-The reference path (kernels/paged_attention.py) at SmolLM2's shapes (9 query heads, 3 KV heads, head size 64):
+The PyTorch reference (kernels/paged_attention.py, backend "torch": gathers each request's K/V, then SDPA) and the C
+kernel (kernels/cpu/paged_attention.c, backend "cpu": reads the cache in place) at SmolLM2's shapes (9 query heads, 3 KV heads, head size 64):
 each request decodes one token over a ``--context``-token history scattered over permuted blocks. The cache dtypes
-are timed alternately in one process (best of ``--repeats`` per round, best round kept), so the ratios hold even on
-a noisy machine. This is the measurement behind ``kv_cache_dtype=auto`` choosing bf16 on a CPU.
+and backends are timed alternately in one process (best of ``--repeats`` per round, best round kept), so the ratios
+hold even on a noisy machine. This is the measurement behind ``kv_cache_dtype=auto`` choosing bf16 on a CPU and
+``kernel_backend=auto`` choosing the C kernel there.
 
-    python benchmarks/decode_attention.py [--batch 1,16,32] [--context 320] [--threads 1]
+    python benchmarks/decode_attention.py [--batch 1,16,32] [--context 320] [--threads 1] [--backends torch,cpu]
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from tokenmill.kernels.kv_write import write_kv_reference
 from tokenmill.kernels.metadata import AttentionMetadata
-from tokenmill.kernels.paged_attention import paged_attention_reference
+from tokenmill.kernels.paged_attention import paged_attention
 
 HQ, HKV, DIM, BLOCK = 9, 3, 64, 16
 STORAGE = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -42,13 +44,13 @@ def decode_inputs(batch: int, context: int, kv_dtype: str):
     return q, data, scales, meta
 
 
-def best_seconds(args: tuple, repeats: int) -> float:
+def best_seconds(args: tuple, repeats: int, backend: str) -> float:
     q, data, scales, meta = args
     times = []
     for _ in range(repeats):
         meta._derived.clear()  # the per-step slot table is built in every timed call, as in a real step's first layer
         start = time.perf_counter()
-        paged_attention_reference(q, q[:, :HKV], q[:, :HKV], data, scales, meta, DIM ** -0.5)
+        paged_attention(q, q[:, :HKV], q[:, :HKV], data, scales, meta, DIM ** -0.5, backend=backend)
         times.append(time.perf_counter() - start)
     return min(times)
 
@@ -67,21 +69,26 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--backends", default="torch,cpu")
     parser.add_argument("--out", default="benchmarks/results/decode-attention.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    backends = args.backends.split(",")
+    cases = [(b, kv) for b in backends for kv in STORAGE]
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):
         inputs = {kv: decode_inputs(batch, args.context, kv) for kv in STORAGE}
-        best = {kv: float("inf") for kv in STORAGE}
+        best = {case: float("inf") for case in cases}
         for _ in range(args.rounds):
-            for kv in STORAGE:
-                best[kv] = min(best[kv], best_seconds(inputs[kv], args.repeats))
-        row = {"batch": batch, "context": args.context, **{f"{kv}_ms": best[kv] * 1e3 for kv in STORAGE},
-               "fp8_over_bf16": best["fp8"] / best["bf16"]}
+            for b, kv in cases:
+                best[b, kv] = min(best[b, kv], best_seconds(inputs[kv], args.repeats, b))
+        row = {"batch": batch, "context": args.context,
+               **{f"{b}_{kv}_ms": best[b, kv] * 1e3 for b, kv in cases},
+               **{f"{b}_fp8_over_bf16": best[b, "fp8"] / best[b, "bf16"] for b in backends}}
+        if "torch" in backends and "cpu" in backends:
+            row.update({f"cpu_over_torch_{kv}": best["cpu", kv] / best["torch", kv] for kv in STORAGE})
         rows.append(row)
-        print(f"batch {batch:3d}: " + "  ".join(f"{kv} {best[kv] * 1e3:7.3f} ms" for kv in STORAGE)
-              + f"  fp8/bf16 {row['fp8_over_bf16']:.2f}")
+        print(f"batch {batch:3d}: " + "  ".join(f"{b}/{kv} {best[b, kv] * 1e3:7.3f} ms" for b, kv in cases))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "python benchmarks/decode_attention.py " + " ".join(

@@ -9,7 +9,7 @@ from torch import nn
 
 from tokenmill.engine import layouts
 from tokenmill.engine.probe import Comparison
-from tokenmill.kernels.cpu_linear import PackedLinear, pack_linears, pack_weight
+from tokenmill.kernels.cpu_linear import PackedLinear, linear_table, pack_linears, pack_weight
 
 ROWS = (1, 2, 3, 16, 257)
 
@@ -44,8 +44,9 @@ def test_bfloat16_packs_where_onednn_can_and_stays_plain_where_it_cannot():
 def test_compiled_graph_crosses_the_threshold_without_recompiling():
     layer = PackedLinear(reference_linear(), 4)
     compiled = torch.compile(lambda x: torch.relu(layer(x)) + 1, fullgraph=True, dynamic=True)
-    compiled(torch.randn(2, 40))
-    with torch.compiler.set_stance("fail_on_recompile"):
+    with linear_table([layer]):
+        compiled(torch.randn(2, 40))
+    with torch.compiler.set_stance("fail_on_recompile"), linear_table([layer]):
         for rows in (3, 4, 9, 130):  # both sides of the threshold, one graph
             x = torch.randn(rows, 40)
             torch.testing.assert_close(compiled(x), torch.relu(F.linear(x, layer.weight, layer.bias)) + 1,
@@ -63,6 +64,7 @@ def test_pack_linears_swaps_every_linear_and_keeps_shared_weights():
     want = model.lm_head(model.skip_me(model.up(x)))
     packed = pack_linears(model, {(48, 40): 1, (64, 40): 1, (40, 48): 1}, skip=("skip_me",))
     assert packed == 2 and type(model.skip_me) is nn.Linear
+    assert [layer.index for layer in model.packed_linears] == [0, 1]
     assert isinstance(model.up, PackedLinear) and model.up.weight is None
     assert model.lm_head.weight is model.embed.weight  # the embedding still reads it
     torch.testing.assert_close(model.lm_head(model.skip_me(model.up(x))), want, atol=1e-5, rtol=1e-5)

@@ -7,16 +7,20 @@ the weight faster (benchmarks/cpu_gemm.py). So each layer keeps what its shape's
 threshold needs (engine/settle.py decides it per shape at start-up; it is in the settled config): the packed weight,
 the plain one, or both, and picks per call by the call's row count.
 
-Inside a compiled graph each layer is one opaque op (``tokenmill::cpu_linear``) that finds its layer by handle:
-inductor cannot take an opaque packed tensor as a graph input, and the per-call choice by row count must not become
-a guard on the dynamic token count.
+Inside a compiled graph each layer is one opaque op (``tokenmill::cpu_linear``) naming its layer by its index in
+the model's ``packed_linears`` table, which ``linear_table`` publishes for the duration of a forward (as
+kernels/attention_op.py publishes the KV cache): inductor cannot take an opaque packed tensor as a graph input, the
+per-call choice by row count must not become a guard on the dynamic token count, and an index, unlike an object's
+identity, is the same in every instance of a model, so a restart's graphs match the on-disk compile cache. Eagerly
+a layer runs itself, with no op in between.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import weakref
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,13 +28,12 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-# The row count oneDNN is told to expect when it blocks a weight (a busy decode step): the layout it picks for it
-# serves every row count (benchmarks/cpu_gemm.py packs the same way).
+# The row count oneDNN is told to expect when it blocks a weight (a busy decode step). One packed copy serves every
+# row count; engine/layouts.py times exactly this copy against the plain weight, so the threshold accounts for it.
 PACK_ROWS_HINT = 16
 
-# Live packed layers by handle; an entry goes when its layer is collected (engines come and go in one process).
-_layers: dict[int, weakref.ref] = {}
-_handles = itertools.count()
+# Per thread, the packed layers of the model whose forward is running (engines on different threads never share).
+_local = threading.local()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -64,8 +67,7 @@ class PackedLinear(nn.Module):
         self.packed_from_rows = packed_from_rows if self._packed is not None else None
         plain_needed = keep_plain or self.packed_from_rows is None or self.packed_from_rows > 1
         self.weight = linear.weight if plain_needed else None
-        self.handle = next(_handles)
-        _layers[self.handle] = weakref.ref(self, lambda _, handle=self.handle: _layers.pop(handle, None))
+        self.index = 0  # in its model's packed_linears table (pack_linears numbers them)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
@@ -76,53 +78,64 @@ class PackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear(x, self.handle, self.out_features)
+        if torch.compiler.is_compiling():
+            return torch.ops.tokenmill.cpu_linear(x, self.index, self.out_features)
+        return self.run(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"packed_from_rows={self.packed_from_rows}"
 
 
-def _cpu_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    """x [..., in] -> [..., out] through the PackedLinear of ``handle``."""
-    layer = _layers[handle]()
-    if layer is None:
-        raise RuntimeError(f"cpu_linear: layer {handle} is gone")
-    return layer.run(x)
+@contextmanager
+def linear_table(layers: Sequence[PackedLinear]) -> Iterator[None]:
+    """Publish a model's packed layers (``layers[i].index == i``) to the compiled graph's ops for one forward."""
+    previous = getattr(_local, "layers", None)
+    _local.layers = layers
+    try:
+        yield
+    finally:
+        _local.layers = previous
+
+
+def _cpu_linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    """x [..., in] -> [..., out] through layer ``index`` of the published table."""
+    layers = getattr(_local, "layers", None)
+    if layers is None:
+        raise RuntimeError("cpu_linear called outside linear_table (DecoderLM.forward sets it)")
+    return layers[index].run(x)
 
 
 # Registered through torch.library.Library, not torch.library.custom_op: a decode step makes over a hundred of these
 # calls, and custom_op's Python wrapper costs ~35 us more per call (measured) than a plain CPU kernel registration.
 _library = torch.library.Library("tokenmill", "FRAGMENT")
-_library.define("cpu_linear(Tensor x, int handle, int out_features) -> Tensor")
+_library.define("cpu_linear(Tensor x, int index, int out_features) -> Tensor")
 _library.impl("cpu_linear", _cpu_linear, "CPU")
 
 
 @torch.library.register_fake("tokenmill::cpu_linear")
-def _(x, handle, out_features):
+def _(x, index, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
-
-
-def cpu_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    return torch.ops.tokenmill.cpu_linear(x, handle, out_features)
 
 
 def pack_linears(model: nn.Module, packed_from_rows: dict[tuple[int, int], int | None],
                  keep_plain: tuple[str, ...] = ("lm_head",), skip: tuple[str, ...] = ()) -> int:
     """Swap every ``nn.Linear`` of ``model`` (but those named in ``skip``, whose weight others read as a tensor) for
-    a PackedLinear with its shape's threshold from ``packed_from_rows`` (a shape not in it stays plain). Returns how
-    many layers were packed."""
+    a PackedLinear with its shape's threshold from ``packed_from_rows`` (a shape not in it stays plain), numbered
+    into ``model.packed_linears``. Returns how many layers were packed."""
     counts: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         counts[id(param)] = counts.get(id(param), 0) + 1
     swaps = []
-    for name, module in model.named_modules():
+    for module in model.modules():
         for child_name, child in module.named_children():
             if type(child) is not nn.Linear or child_name in skip:
                 continue
             threshold = packed_from_rows.get((child.out_features, child.in_features))
             shared = counts[id(child.weight)] > 1
             swaps.append((module, child_name, PackedLinear(child, threshold, shared or child_name in keep_plain)))
-    for module, child_name, packed in swaps:
+    for index, (module, child_name, packed) in enumerate(swaps):
+        packed.index = index
         setattr(module, child_name, packed)
-    return sum(1 for *_, packed in swaps if packed.packed_from_rows is not None)
+    model.packed_linears = tuple(packed for *_, packed in swaps)
+    return sum(1 for layer in model.packed_linears if layer.packed_from_rows is not None)

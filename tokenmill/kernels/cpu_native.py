@@ -4,7 +4,7 @@ Why C through ctypes, not a torch C++ extension: the kernels need raw pointers a
 one small C file in about a second with the C compiler that torch.compile's inductor already needs on a CPU (no
 torch headers, no build step at install, nothing to go stale against a torch upgrade). ``-march=native`` makes
 each build the host's own (AVX2, AVX-512, ...), so the library is cached per source, compiler flags and CPU model
-under ``kernel_cache_dir``. No compiler, or a failed build: ``library()`` is None and callers use the PyTorch
+under ``~/.cache/tokenmill/kernels`` (a shared cache directory across hosts gets one library per CPU model). No compiler, or a failed build: ``library()`` is None and callers use the PyTorch
 references (a warning says why).
 
 The OpenMP runtime is the process's: torch's wheels load libgomp first, and the library links to it by soname.

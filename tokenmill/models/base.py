@@ -13,6 +13,7 @@ from torch import nn
 from tokenmill.distributed.group import TensorParallel
 from tokenmill.kernels.attention_op import attention_context
 from tokenmill.kernels.backend import KernelChoice
+from tokenmill.kernels.cpu_linear import linear_table
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
@@ -29,6 +30,8 @@ class DecoderLM(nn.Module):
     # Names of nn.Linear children whose weight the model reads as a tensor: never swapped for a packed layer
     # (kernels/cpu_linear.py).
     unpacked_linears: tuple[str, ...] = ()
+    # The PackedLinear layers, numbered (kernels/cpu_linear.py pack_linears sets it on a CPU).
+    packed_linears: tuple = ()
     config: ModelConfig
     # ``decoder`` as compiled by models/compile.py, or None (eager).
     compiled_decoder = None
@@ -45,7 +48,7 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        with attention_context(meta, kv_cache.data, kv_cache.scales):
+        with attention_context(meta, kv_cache.data, kv_cache.scales), linear_table(self.packed_linears):
             if self.compiled_decoder is not None:
                 return self.compiled_decoder(input_ids, positions)
             return self.decoder(input_ids, positions)
