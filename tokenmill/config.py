@@ -68,7 +68,8 @@ class EngineConfig(BaseSettings):
     kernel_tuning: Literal["heuristic", "autotune"] = Field(
         "heuristic", description="fused-MoE launch configs: heuristic, or measured once per shape and kept in "
                                  "kernel_cache_dir")
-    kernel_cache_dir: str = Field("~/.cache/tokenmill/kernels", description="where autotuned configs are kept")
+    kernel_cache_dir: str = Field("~/.cache/tokenmill/kernels", description="where autotuned MoE configs and the CPU "
+                                  "linear-layout thresholds measured at start-up are kept (per GPU / CPU model)")
     # --- KV cache
     kv_cache_dtype: Literal["auto", "fp8", "bf16", "fp16", "fp32"] = Field(
         "auto", description="auto = fp8 on CUDA (native fp8 reads in the Triton kernels), bf16 on a CPU (the CPU has "

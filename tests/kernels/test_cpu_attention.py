@@ -80,3 +80,26 @@ def test_merge_equals_attention_over_the_union():
         return torch.einsum("lhn,nhd->lhd", scores.softmax(-1), values), scores.logsumexp(-1)
     merged = cpu_attention.merge(*part(k, v), *part(k2, v2))
     torch.testing.assert_close(merged, part(torch.cat([k, k2]), torch.cat([v, v2]))[0], atol=1e-6, rtol=1e-5)
+
+
+def test_auto_picks_the_c_kernels_on_a_cpu_where_they_build(monkeypatch):
+    import tokenmill.kernels.backend as backend
+
+    assert backend.resolve_kernel_backend("auto", torch.device("cpu")) == "cpu"
+    assert backend.resolve_kernel_backend("cpu", torch.device("cpu")) == "cpu"
+    with pytest.raises(ValueError, match="run on a CPU"):
+        backend.resolve_kernel_backend("cpu", torch.device("cuda", 0))
+    monkeypatch.setattr(backend, "_cpu_kernels_build", lambda: False)
+    assert backend.resolve_kernel_backend("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="did not build"):
+        backend.resolve_kernel_backend("cpu", torch.device("cpu"))
+
+
+def test_a_failed_build_leaves_the_references(monkeypatch, tmp_path, caplog):
+    """No compiler that works: library() is None with a warning (the engine then runs the references)."""
+    from tokenmill.kernels import cpu_native
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level("WARNING"):
+        assert cpu_native.library(str(tmp_path / "cache")) is None
+    assert "PyTorch references run instead" in caplog.text

@@ -9,7 +9,12 @@ from torch import nn
 
 from tokenmill.engine import layouts
 from tokenmill.engine.probe import Comparison
-from tokenmill.kernels.cpu_linear import PackedLinear, linear_table, pack_linears, pack_weight
+from tokenmill.kernels.cpu_linear import (
+    PackedLinear,
+    linear_table,
+    pack_linears,
+    pack_weight,
+)
 
 ROWS = (1, 2, 3, 16, 257)
 
@@ -97,3 +102,14 @@ def test_layout_modes_and_the_memory_cap(monkeypatch):
     assert layouts.choose_layouts("auto", shapes, torch.float32, 1) == ((40, 48, None), (48, 40, 4))
     monkeypatch.setattr(layouts, "available_memory", lambda: 1000)  # two copies of 48x40 no longer fit
     assert layouts.choose_layouts("auto", shapes, torch.float32, 1) == ((40, 48, None), (48, 40, 1))
+
+
+def test_measured_thresholds_are_kept_for_the_next_start(monkeypatch, tmp_path):
+    measured = []
+    monkeypatch.setattr(layouts, "packed_from_rows", lambda out, inp, *a: measured.append((out, inp)) or 4)
+    shapes = {(48, 40): 3}
+    first = layouts.choose_layouts("auto", shapes, torch.float32, 1, cache_dir=str(tmp_path))
+    again = layouts.choose_layouts("auto", shapes, torch.float32, 1, cache_dir=str(tmp_path))
+    assert first == again == ((48, 40, 4),) and measured == [(48, 40)]  # the second start read the file
+    layouts.choose_layouts("auto", shapes, torch.float32, 2, cache_dir=str(tmp_path))
+    assert measured == [(48, 40), (48, 40)]  # another thread count is another measurement

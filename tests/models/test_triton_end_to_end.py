@@ -82,12 +82,14 @@ def test_served_on_triton_matches_torch(tmp_path, tiny_model):
 
 
 def test_backend_choice_where_triton_cannot_run_is_a_clear_error_or_the_references(monkeypatch):
+    import tokenmill.kernels.backend as backend
     import tokenmill.kernels.triton.common as common
     from tokenmill.kernels.backend import resolve_kernel_backend
 
     monkeypatch.setattr(common, "interpreting", lambda kernel: False)  # as without TRITON_INTERPRET
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         resolve_kernel_backend("triton", torch.device("cpu"))
+    monkeypatch.setattr(backend, "_cpu_kernels_build", lambda: False)  # and no C compiler for the CPU kernels
     assert resolve_kernel_backend("auto", torch.device("cpu")) == "torch"
     # An A100 (8.0) has no fp8 in Triton: fp8 caches/weights fall back to the references under auto.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))

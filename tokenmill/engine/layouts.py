@@ -6,6 +6,9 @@ result is a threshold: packed from ``packed_from_rows`` rows up, plain below, or
 through as many distinct copies of the weight as the model has layers of that shape (up to COLD_BYTES), so a
 memory-bound call reads from memory, not from a cache that a real step would have evicted.
 
+Measured thresholds are kept on disk per CPU model (``cache_dir``: kernel_cache_dir), so a restart on the same
+host does not measure again (a few seconds); delete the file to measure afresh.
+
 A layer whose threshold is above one row keeps both layouts (the plain one for small calls): that costs one more
 copy of its weights, allowed while both copies of every such layer fit in MAX_DUAL_SHARE of the memory available;
 past that, every layer is packed from one row (one copy).
@@ -14,15 +17,20 @@ past that, every layer is packed from one row (one copy).
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import math
+import os
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.engine.probe import Clock, compare, repetitions
 from tokenmill.kernels.cpu_linear import pack_weight, packed_linear
+from tokenmill.kernels.cpu_native import cpu_identity
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +64,9 @@ def linear_shapes(model: torch.nn.Module) -> dict[Shape, int]:
 
 
 def choose_layouts(mode: str, shapes: dict[Shape, int], dtype: torch.dtype, threads: int,
-                   clock: Clock = time.perf_counter) -> Layouts:
-    """The settled table for ``mode`` ("plain" | "packed" | "auto")."""
+                   clock: Clock = time.perf_counter, cache_dir: str | None = None) -> Layouts:
+    """The settled table for ``mode`` ("plain" | "packed" | "auto"); ``cache_dir``: where measured thresholds are
+    kept across restarts (None: measure every time)."""
     if mode == "plain" or not shapes:
         return ()
     if pack_weight(torch.zeros(8, 8, dtype=dtype)) is None:
@@ -66,13 +75,19 @@ def choose_layouts(mode: str, shapes: dict[Shape, int], dtype: torch.dtype, thre
     if mode == "packed":
         return tuple((out, inp, 1) for out, inp in sorted(shapes))
     table = {}
+    cache = MeasuredThresholds(cache_dir)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for (out, inp), count in sorted(shapes.items()):
-            table[(out, inp)] = packed_from_rows(out, inp, count, dtype, threads, clock)
+            key = f"{out}x{inp}:{dtype}:{threads} threads:{cold_copies(out, inp, count, dtype)} copies"
+            if key not in cache.thresholds:
+                cache.thresholds[key] = packed_from_rows(out, inp, count, dtype, threads, clock)
+                cache.dirty = True
+            table[(out, inp)] = cache.thresholds[key]
     finally:
         torch.set_num_threads(before)
+    cache.save()
     dual = sum(2 * out * inp * shapes[(out, inp)] * _itemsize(dtype) for (out, inp), t in table.items()
                if t is not None and t > 1)
     if dual > MAX_DUAL_SHARE * available_memory():
@@ -90,7 +105,7 @@ def describe(layouts: Layouts) -> str:
 def packed_from_rows(out: int, inp: int, count: int, dtype: torch.dtype, threads: int,
                      clock: Clock = time.perf_counter) -> int | None:
     """The smallest probed row count from which packed is at least as fast at every larger probed count."""
-    copies = max(1, min(count, math.ceil(COLD_BYTES / (out * inp * _itemsize(dtype)))))
+    copies = cold_copies(out, inp, count, dtype)
     with torch.inference_mode():
         weights = [torch.randn(out, inp, dtype=dtype) / math.sqrt(inp) for _ in range(copies)]
         packed = [pack_weight(w) for w in weights]
@@ -112,6 +127,39 @@ def packed_from_rows(out: int, inp: int, count: int, dtype: torch.dtype, threads
     log.debug("linear %dx%d (%s): packed wins at rows %s -> %s", out, inp, dtype,
               [r for r, w in zip(LAYOUT_PROBE_ROWS, wins) if w], threshold)
     return threshold
+
+
+def cold_copies(out: int, inp: int, count: int, dtype: torch.dtype) -> int:
+    return max(1, min(count, math.ceil(COLD_BYTES / (out * inp * _itemsize(dtype)))))
+
+
+class MeasuredThresholds:
+    """Thresholds measured on this CPU model, read from and written back to one JSON file in ``cache_dir``."""
+
+    def __init__(self, cache_dir: str | None):
+        self.path = None
+        self.thresholds: dict[str, int | None] = {}
+        self.dirty = False
+        if cache_dir is None:
+            return
+        cpu = hashlib.sha256(cpu_identity().encode()).hexdigest()[:16]
+        self.path = Path(cache_dir).expanduser() / f"cpu-linear-layouts-{cpu}.json"
+        try:
+            self.thresholds = json.loads(self.path.read_text())
+            log.info("linear layouts: thresholds measured earlier on this CPU from %s", self.path)
+        except (OSError, ValueError):
+            self.thresholds = {}
+
+    def save(self) -> None:
+        if self.path is None or not self.dirty:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.thresholds, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)  # atomic: a concurrent start reads a whole file or none
+        except OSError as exc:
+            log.warning("linear layouts: cannot keep the thresholds in %s (%s)", self.path, exc)
 
 
 def available_memory() -> int:

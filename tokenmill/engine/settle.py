@@ -105,7 +105,7 @@ def settle(config: EngineConfig, model_config: ModelConfig, clock: Clock = time.
     layouts: Layouts = ()
     if device == "cpu":
         layouts = choose_layouts(config.cpu_weight_layout, linear_shapes(meta_model(config, model_config, size)),
-                                 DTYPES[dtype], threads or torch.get_num_threads(), clock)
+                                 DTYPES[dtype], threads or torch.get_num_threads(), clock, config.kernel_cache_dir)
         log.info("linear layers (%s): %s", config.cpu_weight_layout, describe(layouts))
     settled = Settled(
         device=device, dtype=dtype, num_threads=threads, kv_cache_dtype=kv_dtype, kernel_backend=backend,

@@ -35,15 +35,14 @@ _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
-def _cpu_model() -> str:
+def cpu_identity() -> str:
+    """This CPU's model name and flags (what -march=native and a measured choice depend on)."""
     try:
         with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith(("model name", "flags")):
-                    return line
+            lines = [line for line in fh if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor() or platform.machine()
 
 
 def _compiler() -> str | None:
@@ -58,7 +57,7 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
     key = hashlib.sha256()
     for source in SOURCES:
         key.update(source.read_bytes())
-    key.update(" ".join((compiler, *FLAGS, _cpu_model(), platform.machine())).encode())
+    key.update(" ".join((compiler, *FLAGS, cpu_identity(), platform.machine())).encode())
     target = cache_dir / f"tokenmill_cpu_{key.hexdigest()[:16]}.so"
     if not target.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
