@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.engine import layouts
-from tokenmill.engine.probe import Comparison
 from tokenmill.kernels.cpu_linear import (
     PackedLinear,
     linear_table,
@@ -76,10 +75,23 @@ def test_pack_linears_swaps_every_linear_and_keeps_shared_weights():
 
 
 def probe_with(monkeypatch, ratios):
-    """packed_from_rows with the rounds' verdicts (packed / plain time, None = too noisy) given per probed row."""
+    """packed_from_rows with the verdicts (packed / plain time, None = too noisy) given per probed row."""
     verdicts = iter(ratios)
-    monkeypatch.setattr(layouts, "compare", lambda *a, **k: Comparison(next(verdicts), (), 0.0))
+    monkeypatch.setattr(layouts, "fastest_ratio", lambda *a, **k: next(verdicts))
     return layouts.packed_from_rows.__wrapped__(48, 40, 2, torch.float32, 1)
+
+
+def test_fastest_ratio_ignores_a_neighbour_that_slows_some_samples():
+    """A fake clock: A costs 1.0 and B 2.0 on a quiet machine; every third sample of either is slowed tenfold."""
+    now, calls = [0.0], [0]
+
+    def work(cost):
+        def run():
+            calls[0] += 1
+            now[0] += cost * (10 if calls[0] % 3 == 0 else 1)
+        return run
+    ratio = layouts.fastest_ratio(work(1.0), work(2.0), clock=lambda: now[0], samples=9, budget_s=1e9)
+    assert ratio == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("ratios,threshold", [

@@ -1,7 +1,7 @@
 """The CPU weight layout of each linear layer shape, settled at start-up (kernels/cpu_linear.py runs it).
 
 For every distinct [out, in] shape of the model's linear layers, a plain weight (``F.linear``) is timed against the
-same weight packed for oneDNN, over the row counts the scheduler produces (a lone decode up to a prefill chunk). The
+same weight packed for oneDNN (fastest of interleaved samples: ``fastest_ratio``), over the row counts the scheduler produces (a lone decode up to a prefill chunk). The
 result is a threshold: packed from ``packed_from_rows`` rows up, plain below, or never packed (None). Timings walk
 through as many distinct copies of the weight as the model has layers of that shape (up to COLD_BYTES), so a
 memory-bound call reads from memory, not from a cache that a real step would have evicted.
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tokenmill.engine.probe import Clock, compare, repetitions
+from tokenmill.engine.probe import Clock, Work
 from tokenmill.kernels.cpu_linear import pack_weight, packed_linear
 from tokenmill.kernels.cpu_native import cpu_identity
 
@@ -43,7 +43,8 @@ FALLBACK_PACKED_FROM_ROWS = 4
 COLD_BYTES = 96 * 2**20
 # Rows above this are compute-bound: one copy of the weight is enough.
 COLD_ROWS_MAX = 16
-# Seconds each (shape, rows) comparison may take.
+# Interleaved samples of each layout per (shape, rows), and the seconds they may take.
+LAYOUT_SAMPLES = 9
 LAYOUT_BUDGET_S = 0.4
 MAX_DUAL_SHARE = 0.25
 
@@ -116,9 +117,8 @@ def packed_from_rows(out: int, inp: int, count: int, dtype: torch.dtype, threads
             plain = lambda x=x, n=n: [F.linear(x, w) for w in weights[:n]]  # noqa: E731
             blocked = lambda x=x, n=n: [packed_linear(x, p, None) for p in packed[:n]]  # noqa: E731
             plain(), blocked()  # warm-up: first calls pick kernels
-            verdict = compare([(plain, blocked)], clock=clock, budget_s=LAYOUT_BUDGET_S,
-                              reps=[repetitions(plain, clock)])
-            wins.append(rows >= FALLBACK_PACKED_FROM_ROWS if verdict.ratio is None else verdict.ratio <= 1.0)
+            ratio = fastest_ratio(plain, blocked, clock)
+            wins.append(rows >= FALLBACK_PACKED_FROM_ROWS if ratio is None else ratio <= 1.0)
     threshold = None
     for rows, win in zip(reversed(LAYOUT_PROBE_ROWS), reversed(wins)):
         if not win:
@@ -127,6 +127,29 @@ def packed_from_rows(out: int, inp: int, count: int, dtype: torch.dtype, threads
     log.debug("linear %dx%d (%s): packed wins at rows %s -> %s", out, inp, dtype,
               [r for r, w in zip(LAYOUT_PROBE_ROWS, wins) if w], threshold)
     return threshold
+
+
+def fastest_ratio(a: Work, b: Work, clock: Clock = time.perf_counter, samples: int = LAYOUT_SAMPLES,
+                  budget_s: float = LAYOUT_BUDGET_S) -> float | None:
+    """Fastest time of ``b`` over fastest time of ``a``, the two timed alternately ``samples`` times each (fewer
+    where the budget runs out; None before two of each). A busy neighbour only ever adds time, so the fastest of
+    several interleaved samples is what each costs on a quiet machine; a ratio of sums would carry the noise."""
+    start = clock()
+    best_a = best_b = math.inf
+    for i in range(samples):
+        for work, first in ((a, True), (b, False)) if i % 2 == 0 else ((b, False), (a, True)):
+            t0 = clock()
+            work()
+            elapsed = clock() - t0
+            if first:
+                best_a = min(best_a, elapsed)
+            else:
+                best_b = min(best_b, elapsed)
+        if clock() - start > budget_s and i >= 1:
+            break
+    if not (math.isfinite(best_a) and math.isfinite(best_b)) or best_a <= 0:
+        return None
+    return best_b / best_a
 
 
 def cold_copies(out: int, inp: int, count: int, dtype: torch.dtype) -> int:
