@@ -1,10 +1,11 @@
 """The CPU weight layout of each linear layer shape, settled at start-up (kernels/cpu_linear.py runs it).
 
 For every distinct [out, in] shape of the model's linear layers, a plain weight (``F.linear``) is timed against the
-same weight packed for oneDNN (fastest of interleaved samples: ``fastest_ratio``), over the row counts the scheduler produces (a lone decode up to a prefill chunk). The
-result is a threshold: packed from ``packed_from_rows`` rows up, plain below, or never packed (None). Timings walk
-through as many distinct copies of the weight as the model has layers of that shape (up to COLD_BYTES), so a
-memory-bound call reads from memory, not from a cache that a real step would have evicted.
+same weight packed for oneDNN (fastest of interleaved samples: ``fastest_ratio``), over the row counts the scheduler
+produces (a lone decode up to a prefill chunk). The result is a threshold: packed from ``packed_from_rows`` rows
+up, plain below, or never packed (None). Timings walk through as many distinct copies of the weight as the model
+has layers of that shape (up to COLD_BYTES), so a memory-bound call reads from memory, not from a cache that a
+real step would have evicted.
 
 Measured thresholds are kept on disk per CPU model (``cache_dir``: kernel_cache_dir), so a restart on the same
 host does not measure again (a few seconds); delete the file to measure afresh.
