@@ -19,10 +19,6 @@ from tokenmill.kernels.metadata import AttentionMetadata
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 
 
-def available() -> bool:
-    return library() is not None
-
-
 def cache_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor,
                     segments: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, D] over the cache -> (out [N, Hq, D] float32, lse [N, Hq] float32) for the rows the segments
