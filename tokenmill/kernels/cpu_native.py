@@ -25,7 +25,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "cpu" / "paged_attention.c",)
+SOURCES = (Path(__file__).parent / "cpu" / "paged_attention.c", Path(__file__).parent / "cpu" / "quant_linear.c")
 # fast-math's reassociation lets the reductions and expf vectorize (glibc's libmvec); finite sentinels are used in
 # place of infinities inside the loops.
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-ffast-math", "-fPIC", "-shared")
@@ -43,6 +43,14 @@ def cpu_identity() -> str:
         return "".join(sorted(set(lines)))
     except OSError:
         return platform.processor() or platform.machine()
+
+
+def source_digest() -> str:
+    """A short hash of the kernels' sources: what a measurement of them is only valid for."""
+    key = hashlib.sha256()
+    for source in SOURCES:
+        key.update(source.read_bytes())
+    return key.hexdigest()[:12]
 
 
 def _compiler() -> str | None:
@@ -81,7 +89,22 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    lib.tm_quant_linear.restype = ctypes.c_int
+    lib.tm_quant_linear.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int64]
+    lib.tm_quant_linear_prepared.restype = ctypes.c_int
+    lib.tm_quant_linear_prepared.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     return lib
+
+
+class QuantWeight(ctypes.Structure):
+    """kernels/cpu/quant_linear.c's tm_quant_weight: one weight's constant arguments."""
+    _fields_ = [("q", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("K", ctypes.c_int64), ("N", ctypes.c_int64), ("G", ctypes.c_int64),
+                ("tile_rows", ctypes.c_int64), ("scales_f32", ctypes.c_int32), ("mins_f32", ctypes.c_int32),
+                ("kind", ctypes.c_int32), ("unused", ctypes.c_int32)]
 
 
 def library(cache_dir: str = DEFAULT_CACHE_DIR) -> ctypes.CDLL | None:

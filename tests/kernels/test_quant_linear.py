@@ -1,0 +1,128 @@
+"""Quantized linear layers: the C kernel against its PyTorch reference, the reference against the formats' own
+definitions (gguf's dequantization, bit for bit; the rounding bound of round-to-nearest), and the formats' parsing."""
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.kernels.cpu_native import library
+from tokenmill.kernels.quant_linear import (WeightFormat, dequantize, pack_int4, quant_linear_cpu,
+                                            quant_linear_reference, quantize, quantize_activations, unpack_int4)
+from tokenmill.models.loader import gguf_quantized_pieces
+
+FORMATS = ["int4-g32", "int4-g64", "int4-g128", "int4-g128-zp", "int8-ch", "int8-g32", "int8-g64-zp", "fp8-ch"]
+needs_kernels = pytest.mark.skipif(library() is None, reason="no C compiler: the CPU kernels are not built")
+
+
+def weights(fmt: WeightFormat, out_features: int, in_features: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g) * torch.rand(out_features, 1, generator=g)
+    return quantize(w, fmt)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17])
+def test_kernel_matches_reference(name, rows):
+    fmt = WeightFormat.parse(name)
+    # 160 inputs: g64 and g128 end on a short group; 37 outputs: odd, not a multiple of any tile.
+    t = weights(fmt, 37, 160)
+    x = torch.randn(rows, 160) * 3
+    bias = torch.randn(37)
+    ref = quant_linear_reference(x, fmt, t["qweight"], t["scales"], t.get("mins"), bias, int8_activations=True)
+    got = quant_linear_cpu(x, fmt, t["qweight"], t["scales"], t.get("mins"), bias)
+    # float32 sums in another order, where the mins' term and the codes' term cancel (outputs near 0 from terms near
+    # 100): well below what one activation code moved by one step changes (d * amax / 127 ~ 2e-3 and up here).
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=5e-4)
+
+
+@needs_kernels
+def test_kernel_takes_other_activation_dtypes_and_shapes():
+    fmt = WeightFormat.parse("int4-g32")
+    t = weights(fmt, 64, 96)
+    x = torch.randn(2, 3, 96).to(torch.bfloat16)
+    got = quant_linear_cpu(x, fmt, t["qweight"], t["scales"], t["mins"])
+    ref = quant_linear_reference(x, fmt, t["qweight"], t["scales"], t["mins"], int8_activations=True)
+    assert got.shape == (2, 3, 64) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -6, atol=0.1)  # two bf16 steps at |y| ~ 8
+
+
+def test_int8_activations_stay_within_half_a_step():
+    x = torch.randn(5, 128) * torch.logspace(-3, 3, 5)[:, None]
+    q = quantize_activations(x)
+    step = x.view(5, 4, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((q - x).view(5, 4, 32).abs() <= step / 2 * (1 + 1e-6)).all()
+    assert torch.equal(quantize_activations(torch.zeros(2, 32)), torch.zeros(2, 32))
+
+
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g128", "int8-ch", "int8-g32"])
+def test_round_to_nearest_is_within_half_a_step(name):
+    fmt = WeightFormat.parse(name)
+    w = torch.randn(16, 160)
+    t = quantize(w, fmt)
+    step = t["scales"].float().repeat_interleave(fmt.group(160), dim=1)[:, :160]
+    err = (dequantize(fmt, t["qweight"], t["scales"], t.get("mins")) - w).abs()
+    # Half a step of the stored (fp16) grid, plus what rounding the min to fp16 moves it by.
+    slack = t["mins"].float().abs().repeat_interleave(fmt.group(160), dim=1)[:, :160] * 2**-10 if "mins" in t else 0
+    assert (err <= step / 2 * (1 + 1e-3) + slack).all()
+
+
+def test_fp8_per_channel_round_trip():
+    fmt = WeightFormat.parse("fp8-ch")
+    w = torch.randn(8, 64)
+    t = quantize(w, fmt)
+    assert t["qweight"].dtype == torch.float8_e4m3fn and t["scales"].shape == (8, 1)
+    back = dequantize(fmt, t["qweight"], t["scales"], None)
+    assert ((back - w).abs() <= w.abs() * 2**-4 + t["scales"] * 2**-9).all()  # e4m3: 3 mantissa bits
+
+
+def test_int4_packing_round_trips_in_gguf_block_order():
+    codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    packed = pack_int4(codes)
+    assert packed.shape == (3, 32)
+    assert torch.equal(packed[:, 0] & 0x0F, codes[:, 0]) and torch.equal(packed[:, 0] >> 4, codes[:, 16])
+    assert torch.equal(unpack_int4(packed), codes)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_map_onto_the_formats_bit_for_bit(type_name):
+    """gguf's own quantizer writes the blocks, gguf's own dequantizer is the truth: the format's reference
+    dequantization of the same bytes (no re-quantization) equals it exactly."""
+    from gguf import GGMLQuantizationType, dequantize as gguf_dequantize, quantize as gguf_quantize
+
+    qtype = GGMLQuantizationType[type_name]
+    w = (np.random.default_rng(0).standard_normal((24, 256)) * 0.05).astype(np.float32)
+    blocks = gguf_quantize(w, qtype)
+    pieces = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in gguf_quantized_pieces(blocks, type_name).items()}
+    fmt = WeightFormat.parse("int8-g32" if type_name == "Q8_0" else "int4-g32")
+    ours = dequantize(fmt, pieces["qweight"], pieces["scales"], pieces.get("mins"))
+    assert torch.equal(ours, torch.from_numpy(gguf_dequantize(blocks, qtype)))
+
+
+@pytest.mark.parametrize("name,expected", [("int4-g32", ("int4", 32, True, False)),
+                                           ("int4-g128-zp", ("int4", 128, True, True)),
+                                           ("int8-ch", ("int8", 0, False, False)),
+                                           ("int8-g64-zp", ("int8", 64, True, True)), ("fp8-ch", ("fp8", 0, False, False))])
+def test_format_names_parse(name, expected):
+    fmt = WeightFormat.parse(name)
+    assert (fmt.kind, fmt.group_size, fmt.has_min, fmt.min_f32) == expected and fmt.name == name
+
+
+@pytest.mark.parametrize("name", ["int3-g32", "int4-g48", "int4", "fp8-ch-zp", "int4-gx"])
+def test_bad_format_names_are_refused(name):
+    with pytest.raises(ValueError, match="format"):
+        WeightFormat.parse(name)
+
+
+def test_fp8_w8a8_matches_its_definition():
+    """The GPU path's math, run through torch._scaled_mm on this CPU: per-token fp8 activations times fp8 weights."""
+    from tokenmill.kernels.quant_linear import fp8_w8a8_linear
+    from tokenmill.kernels.kv_write import FP8_MAX
+
+    fmt = WeightFormat.parse("fp8-ch")
+    t = quantize(torch.randn(32, 64), fmt)
+    x = torch.randn(4, 64)
+    x_scale = x.abs().amax(-1, keepdim=True) / FP8_MAX
+    x_deq = (x / x_scale).to(torch.float8_e4m3fn).float() * x_scale
+    expected = x_deq @ dequantize(fmt, t["qweight"], t["scales"], None).T
+    torch.testing.assert_close(fp8_w8a8_linear(x, t["qweight"], t["scales"], None), expected, rtol=1e-5, atol=1e-4)

@@ -1,0 +1,251 @@
+"""Linear layers over quantized weights: the formats, the reference (dequantize, then matmul) and the dispatch.
+
+A quantized weight W [N, K] is three tensors, named as a layer's buffers are (models/layers/linear.py):
+- ``qweight``: int4: uint8 [N, K / 2], two 4-bit codes a byte; in each 32-input block of a row, byte j holds input
+  j in its low nibble and input j + 16 in its high nibble (GGUF's Q4 order, kept so a GGUF tensor is copied, not
+  repacked). int8: int8 [N, K]. fp8: float8_e4m3fn [N, K].
+- ``scales``: [N, ceil(K / G)], one per group of G consecutive inputs (G = K: one per output channel; where G does
+  not divide K the last group is shorter).
+- ``mins`` (int4 always, int8 optionally): like ``scales``, the value of code 0: ``w = q * scale + min``.
+So int4 and int8 are ``w = q * scale (+ min)`` and fp8 ``w = e4m3(q) * scale``. GGUF's Q4_0 is min = -8 d, Q4_1 is
+scale d and min m, Q8_0 is int8 with groups of 32; AWQ/GPTQ's ``(q - z) * s`` is min = -z * s.
+
+Format names (pure strings, so models/config.py names them without torch): ``<kind>-g<G>`` or ``<kind>-ch`` (one
+group a row), plus ``-zp`` where mins are float32 (exact for an integer zero point times an fp16 scale; the fp16
+mins of GGUF are exact as they are). Scales are fp16 (exact for GGUF, as shipped by AWQ/GPTQ), fp8's float32.
+
+Dispatch: the C kernel of kernels/cpu/quant_linear.c on a CPU where it builds (the weight bytes read once per call,
+widened to float32 a tile at a time), fp8 W8A8 through ``torch._scaled_mm`` on GPUs with fp8 (compute capability
+8.9 and up: per-token dynamic fp8 activations), the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels.cpu_native import QuantWeight, library
+from tokenmill.kernels.kv_write import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
+KINDS = {"int4": 0, "int8": 1, "fp8": 2}
+BLOCK = 32  # inputs per nibble block; every group size is a multiple of it
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    kind: str  # "int4" | "int8" | "fp8"
+    group_size: int  # inputs per scale; 0: one scale per output channel
+    has_min: bool
+    min_f32: bool = False
+
+    @classmethod
+    def parse(cls, name: str) -> "WeightFormat":
+        parts = name.split("-")
+        if len(parts) not in (2, 3) or parts[0] not in KINDS or parts[2:] not in ([], ["zp"]):
+            raise ValueError(f"unknown weight format {name!r}")
+        group = 0 if parts[1] == "ch" else int(parts[1][1:]) if parts[1][:1] == "g" and parts[1][1:].isdigit() else -1
+        if group < 0 or group % BLOCK:
+            raise ValueError(f"weight format {name!r}: the group size must be a multiple of {BLOCK} or 'ch'")
+        kind = parts[0]
+        if kind == "fp8" and parts[2:]:
+            raise ValueError(f"weight format {name!r}: fp8 has no zero points")
+        return cls(kind, group, has_min=kind == "int4" or bool(parts[2:]), min_f32=bool(parts[2:]))
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{'ch' if not self.group_size else f'g{self.group_size}'}{'-zp' if self.min_f32 else ''}"
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.float32 if self.kind == "fp8" else torch.float16
+
+    @property
+    def min_dtype(self) -> torch.dtype:
+        return torch.float32 if self.min_f32 else torch.float16
+
+    def group(self, in_features: int) -> int:
+        return self.group_size or in_features
+
+    def check(self, out_features: int, in_features: int) -> None:
+        if in_features % BLOCK:
+            raise ValueError(f"format {self.name} needs the input width ({in_features}) to be a multiple of {BLOCK}")
+
+    def groups(self, in_features: int) -> int:
+        return -(-in_features // self.group(in_features))
+
+    def shapes(self, out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The tensors of a [out, in] weight in this format: name -> (shape, dtype)."""
+        self.check(out_features, in_features)
+        groups = self.groups(in_features)
+        q = {"int4": ((out_features, in_features // 2), torch.uint8), "int8": ((out_features, in_features), torch.int8),
+             "fp8": ((out_features, in_features), FP8_DTYPE)}[self.kind]
+        tensors = {"qweight": q, "scales": ((out_features, groups), self.scale_dtype)}
+        if self.has_min:
+            tensors["mins"] = ((out_features, groups), self.min_dtype)
+        return tensors
+
+    def bytes_per_weight(self, in_features: int) -> float:
+        per_group = (self.scale_dtype.itemsize + (self.min_dtype.itemsize if self.has_min else 0))
+        return (0.5 if self.kind == "int4" else 1.0) + per_group / self.group(in_features)
+
+
+# --- the reference
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K / 2] in the 32-input block order above -> codes uint8 [N, K]."""
+    blocks = qweight.view(qweight.shape[0], -1, BLOCK // 2)  # [N, K / 32, 16]
+    return torch.cat((blocks & 0x0F, blocks >> 4), dim=-1).reshape(qweight.shape[0], -1)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] in 0..15 -> uint8 [N, K / 2] (the inverse of ``unpack_int4``)."""
+    blocks = codes.to(torch.uint8).view(codes.shape[0], -1, 2, BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(codes.shape[0], -1)
+
+
+def dequantize(fmt: WeightFormat, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+               ) -> torch.Tensor:
+    """The weight [N, K] as float32: ``q * scale + min`` per group, each product and sum rounded once in float32."""
+    q = unpack_int4(qweight) if fmt.kind == "int4" else qweight
+    in_features = q.shape[1]
+    group = fmt.group(in_features)
+    w = q.float() * scales.float().repeat_interleave(group, dim=1)[:, :in_features]
+    if mins is not None:
+        w = w + mins.float().repeat_interleave(group, dim=1)[:, :in_features]
+    return w
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """float32 [M, K] -> what the CPU kernel multiplies int4/int8 weights by: each 32-input block rounded to int8
+    codes over its amax (``round(x * (127 / amax))``, half to even) times ``amax / 127``."""
+    blocks = x.view(x.shape[0], -1, BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    # A tensor divided by a tensor: ``127.0 / amax`` would be amax.reciprocal() * 127, another rounding (the kernel
+    # divides, and a code at a rounding tie moves with the last bit).
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return ((blocks * inverse).round() * (amax / 127.0)).view_as(x)
+
+
+def quant_linear_reference(x: torch.Tensor, fmt: WeightFormat, qweight: torch.Tensor, scales: torch.Tensor,
+                           mins: torch.Tensor | None, bias: torch.Tensor | None = None,
+                           int8_activations: bool = False) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype, computed in float32 over the dequantized weight; with
+    ``int8_activations`` (what the CPU kernel does for int4/int8 weights) over ``quantize_activations(x)``."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    if int8_activations and fmt.kind != "fp8":
+        rows = quantize_activations(rows)
+    out = F.linear(rows, dequantize(fmt, qweight, scales, mins), None if bias is None else bias.float())
+    return out.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+# --- round to nearest, per channel / per group (--quantization)
+
+def quantize(weight: torch.Tensor, fmt: WeightFormat) -> dict[str, torch.Tensor]:
+    """float [N, K] -> this format's tensors, rounded to nearest: int8 symmetric (scale = amax / 127), int4
+    asymmetric over each group's [min, max] (scale = (max - min) / 15), fp8 per channel (scale = amax / 448). The
+    scales (and mins) are rounded to their stored dtype before the codes are chosen, so each code is the nearest for
+    the stored grid."""
+    out_features, in_features = weight.shape
+    fmt.check(out_features, in_features)
+    group = fmt.group(in_features)
+    pad = fmt.groups(in_features) * group - in_features  # a short last group, padded with its own last input
+    padded = F.pad(weight.float()[None], (0, pad), mode="replicate")[0] if pad else weight.float()
+    w = padded.view(out_features, -1, group)  # [N, groups, G]
+    if fmt.kind == "fp8":
+        scale = (w.abs().amax(dim=(1, 2)) / FP8_MAX).clamp(min=MIN_SCALE)[:, None]  # [N, 1]
+        return {"qweight": (weight.float() / scale).to(FP8_DTYPE), "scales": scale.expand(-1, w.shape[1]).contiguous()}
+    if fmt.kind == "int8":
+        scale = (w.abs().amax(dim=-1) / 127).clamp(min=MIN_SCALE).to(fmt.scale_dtype)
+        codes = (w / scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8).view(out_features, -1)
+        codes = codes[:, :in_features].contiguous()
+        tensors = {"qweight": codes, "scales": scale}
+        if fmt.has_min:
+            tensors["mins"] = torch.zeros_like(scale, dtype=fmt.min_dtype)
+        return tensors
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=MIN_SCALE).to(fmt.scale_dtype)
+    low = low.to(fmt.min_dtype)
+    codes = ((w - low.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15).view(out_features, -1)
+    codes = codes[:, :in_features].contiguous()
+    return {"qweight": pack_int4(codes), "scales": scale, "mins": low}
+
+
+# --- the dispatch
+
+def quant_linear(x: torch.Tensor, fmt: WeightFormat, qweight: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None, bias: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype: the kernel for this device, format and resolved kernel ``backend``
+    ("cpu": the C kernel; kernels/backend.py), else the reference (weight-only: float activations)."""
+    if backend == "cpu" and x.device.type == "cpu" and library() is not None:
+        return quant_linear_cpu(x, fmt, qweight, scales, mins, bias)
+    if fmt.kind == "fp8" and not fmt.group_size and x.device.type == "cuda" \
+            and torch.cuda.get_device_capability(x.device) >= (8, 9):
+        return fp8_w8a8_linear(x, qweight, scales, bias)
+    return quant_linear_reference(x, fmt, qweight, scales, mins, bias)
+
+
+def default_tile_rows(out_features: int, threads: int) -> int:
+    """Output rows a thread widens at once: 16 (more reuse of each row of x) while every thread still gets four
+    tiles, else 4."""
+    return 16 if out_features >= 16 * 4 * threads else 4
+
+
+class CPUQuantMatmul:
+    """The C kernel over one weight, its constant arguments prepared once (a decode step makes over a hundred of
+    these calls; building them per call cost ~30 us each). The weight tensors must stay where they are."""
+
+    def __init__(self, fmt: WeightFormat, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 bias: torch.Tensor | None = None, tile_rows: int = 0):
+        lib = library()
+        if lib is None:
+            raise RuntimeError("the CPU kernels are not built (kernels/cpu_native.py logged why)")
+        self.in_features = qweight.shape[1] * 2 if fmt.kind == "int4" else qweight.shape[1]
+        self.out_features = qweight.shape[0]
+        self.fmt, self._fn = fmt, lib.tm_quant_linear_prepared
+        self._keep = (qweight, scales, mins, bias.float().contiguous() if bias is not None else None)
+        self._weight = QuantWeight(
+            q=qweight.data_ptr(), scales=scales.data_ptr(), mins=mins.data_ptr() if mins is not None else None,
+            bias=self._keep[3].data_ptr() if bias is not None else None, K=self.in_features, N=self.out_features,
+            G=fmt.group(self.in_features), tile_rows=tile_rows or default_tile_rows(self.out_features,
+                                                                                   torch.get_num_threads()),
+            scales_f32=int(scales.dtype == torch.float32), mins_f32=int(mins is not None and mins.dtype == torch.float32),
+            kind=KINDS[fmt.kind])
+        self._weight_ref = ctypes.byref(self._weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] (any float dtype; computed in float32) -> [..., N] in x's dtype."""
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if rows.dtype is not torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        count = rows.shape[0]
+        out = rows.new_empty((count, self.out_features))
+        code = self._fn(self._weight_ref, rows.data_ptr(), count, out.data_ptr())
+        if code != 0:
+            raise RuntimeError(f"tm_quant_linear failed ({code}) for a {self.fmt.name} weight "
+                               f"[{self.out_features}, {self.in_features}]")
+        if x.dim() != 2:
+            out = out.view(*x.shape[:-1], self.out_features)
+        return out if x.dtype is torch.float32 else out.to(x.dtype)
+
+
+def quant_linear_cpu(x: torch.Tensor, fmt: WeightFormat, qweight: torch.Tensor, scales: torch.Tensor,
+                     mins: torch.Tensor | None, bias: torch.Tensor | None = None, tile_rows: int = 0) -> torch.Tensor:
+    """The C kernel: x [..., K] (any float dtype; computed in float32) -> [..., N] in x's dtype."""
+    return CPUQuantMatmul(fmt, qweight, scales, mins, bias, tile_rows)(x)
+
+
+def fp8_w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """fp8 weights [N, K] with per-channel float32 scales (every group of a row equal) times activations quantized
+    to fp8 per token (amax / 448), through ``torch._scaled_mm`` (cuBLASLt's fp8 GEMM on Hopper, oneDNN on a CPU)."""
+    rows = x.reshape(-1, x.shape[-1])
+    x_scale = (rows.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)  # [M, 1]
+    x_q = (rows.float() / x_scale).to(FP8_DTYPE)
+    out = torch._scaled_mm(x_q, qweight.t(), scale_a=x_scale, scale_b=scales[:, :1].float().t().contiguous(),
+                           out_dtype=torch.float32)
+    if bias is not None:
+        out = out + bias.float()
+    return out.view(*x.shape[:-1], qweight.shape[0]).to(x.dtype)
