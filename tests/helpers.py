@@ -52,3 +52,11 @@ def prefill_logits(model: torch.nn.Module, kv_cache: KVCache, token_ids: list[in
 def kl_per_position(logp_ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """Per-position KL(p_ref || p) of next-token distributions given as log-probabilities [N, vocab]."""
     return (logp_ref.exp() * (logp_ref - logp)).sum(-1)
+
+
+def next_token_quality(reference: list[torch.Tensor], ours: list[torch.Tensor]) -> tuple[float, float]:
+    """(mean KL(p_ref || p) over every position, fraction of positions whose most likely next token agrees) of
+    teacher-forced log-probabilities, one [positions, vocab] tensor per prompt."""
+    kl = torch.cat([kl_per_position(r, o) for r, o in zip(reference, ours)])
+    agree = torch.cat([r.argmax(-1) == o.argmax(-1) for r, o in zip(reference, ours)]).float()
+    return kl.mean().item(), agree.mean().item()

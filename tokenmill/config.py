@@ -65,6 +65,16 @@ class EngineConfig(BaseSettings):
     cpu_weight_layout: Literal["auto", "plain", "packed"] = Field(
         "auto", description="CPU linear layers: weights packed once for oneDNN, plain, or auto = per layer shape and "
                             "row count, whichever was faster when timed at start-up")
+    quantization: Literal["auto", "checkpoint", "none", "int8", "int4", "fp8"] = Field(
+        "auto", description="weights: auto = as the checkpoint ships them (a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors "
+                            "kept quantized at the batch sizes where that was faster when timed at start-up, a dense "
+                            "copy for the others); checkpoint = the checkpoint's quantized tensors at every batch "
+                            "size (least memory); none = full precision; "
+                            "int8 / int4 / fp8 = quantize a full-precision checkpoint's linear layers as it loads "
+                            "(round to nearest: int8 per channel, int4 in groups of quantization_group_size, fp8 "
+                            "per channel)")
+    quantization_group_size: int = Field(128, ge=32, multiple_of=32,
+                                         description="inputs per scale of --quantization int4 (a multiple of 32)")
     kernel_tuning: Literal["heuristic", "autotune"] = Field(
         "heuristic", description="fused-MoE launch configs: heuristic, or measured once per shape and kept in "
                                  "kernel_cache_dir")

@@ -22,7 +22,11 @@ from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.cpu_linear import pack_linears
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.loader import Checkpoint, ModelLoadError, open_checkpoint
+from tokenmill.models.layers.linear import LinearPlan, QuantLinear, quantize_linears
+from tokenmill.models.loader import SKIP, Checkpoint, ModelLoadError, open_checkpoint
+from tokenmill.models.quant_methods import CHECKPOINT_METHODS
+from tokenmill.models.quantization import candidate_formats
+from tokenmill.models.quantized_checkpoints import convert
 from tokenmill.models.registry import model_class_for
 from tokenmill.models.tokenizer import Tokenizer
 from tokenmill.runtime import keep_freed_memory_in_heap
@@ -98,6 +102,31 @@ def kernel_choice(config: EngineConfig, settled: Settled) -> KernelChoice:
     return KernelChoice(settled.kernel_backend, tuner)
 
 
+def checkpoint_weights(checkpoint: Checkpoint, model: torch.nn.Module, model_config: ModelConfig):
+    """The checkpoint's tensors this rank's model reads: a quantized checkpoint's layers converted to the layers'
+    pieces (models/quantized_checkpoints.py); a GGUF file's pieces or dense weights, whichever each layer holds."""
+    quant = model_config.quantization
+    if quant is not None and quant.method in CHECKPOINT_METHODS:
+        modules = [part for parts in model.linear_sources().values() for part in parts if quant.format_of(part)]
+        converted = convert(checkpoint.weights(model.weight_shard), quant.config, modules)
+        return ((name, tensor) for name, tensor in converted if model.takes(name))
+    return checkpoint.weights(lambda name: model.weight_shard(name) if model.takes(name) else SKIP)
+
+
+def quantization_plan(model: torch.nn.Module, model_config: ModelConfig, mode: str, group_size: int, table: tuple
+                      ) -> dict[str, LinearPlan]:
+    """The settled table applied to the model's candidates: each layer's format and dense threshold; a candidate
+    whose shape measured dense at every row count (threshold 1) stays dense."""
+    thresholds = {(out, inp, fmt): t for out, inp, fmt, t in table}
+    plan = {}
+    for path, (fmt, at_load) in candidate_formats(model, model_config, mode, group_size).items():
+        layer = model.get_submodule(path)
+        threshold = thresholds.get((layer.out_features, layer.in_features, fmt), 1)
+        if threshold != 1:
+            plan[path] = LinearPlan(fmt, threshold, at_load)
+    return plan
+
+
 def _kv_budget(config: EngineConfig, device: torch.device) -> int:
     if device.type != "cuda":
         return config.kv_cache_memory
@@ -118,14 +147,22 @@ def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, conf
             extra["tp"] = tp
         with torch.device("meta"):
             model = model_cls(model_config, kernels=kernels, **extra)
+            quantized = quantize_linears(model, quantization_plan(model, model_config, config.quantization,
+                                                                  config.quantization_group_size,
+                                                                  settled.quant_layouts))
+            model.use_kernels(kernels)  # the quantized layers too
         # Materialized on the device in the compute dtype; each checkpoint tensor is converted as it is copied in.
         model.cast_parameters(settled.torch_dtype).to_empty(device=device)
         model.rotary.to(device)
-        model.load_weights(checkpoint.weights(model.weight_shard))
+        model.load_weights(checkpoint_weights(checkpoint, model, model_config))
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"cannot build the model from {checkpoint.path}: {exc}") from None
     model.eval()
-    if settled.linear_layouts:
+    if quantized:
+        log.info("linear layers: %d of them quantized (%s)", quantized, ", ".join(sorted(
+            {f"{m.fmt.name}{'' if m.dense_from_rows is None else f' below {m.dense_from_rows} rows'}"
+             for m in model.modules() if isinstance(m, QuantLinear)})))
+    if device.type == "cpu":
         packed = pack_linears(model, {(out, inp): t for out, inp, t in settled.linear_layouts},
                               skip=model.unpacked_linears)
         log.info("linear layers: %d of them packed for oneDNN", packed)

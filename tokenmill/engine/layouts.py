@@ -10,6 +10,8 @@ real step would have evicted.
 Measured thresholds are kept on disk per CPU model (``cache_dir``: kernel_cache_dir), so a restart on the same
 host does not measure again (a few seconds); delete the file to measure afresh.
 
+Quantized weights join the table the same way (engine/quant_layouts.py).
+
 A layer whose threshold is above one row keeps both layouts (the plain one for small calls): that costs one more
 copy of its weights, allowed while both copies of every such layer fit in MAX_DUAL_SHARE of the memory available;
 past that, every layer is packed from one row (one copy).
@@ -111,23 +113,36 @@ def packed_from_rows(out: int, inp: int, count: int, dtype: torch.dtype, threads
     with torch.inference_mode():
         weights = [torch.randn(out, inp, dtype=dtype) / math.sqrt(inp) for _ in range(copies)]
         packed = [pack_weight(w) for w in weights]
-        wins = []
-        for rows in LAYOUT_PROBE_ROWS:
-            n = copies if rows <= COLD_ROWS_MAX else 1
-            x = torch.randn(rows, inp, dtype=dtype)
-            plain = lambda x=x, n=n: [F.linear(x, w) for w in weights[:n]]  # noqa: E731
-            blocked = lambda x=x, n=n: [packed_linear(x, p, None) for p in packed[:n]]  # noqa: E731
-            plain(), blocked()  # warm-up: first calls pick kernels
-            ratio = fastest_ratio(plain, blocked, clock)
-            wins.append(rows >= FALLBACK_PACKED_FROM_ROWS if ratio is None else ratio <= 1.0)
+        wins = wins_by_rows(lambda x, n: ((lambda: [F.linear(x, w) for w in weights[:n]]),
+                                          (lambda: [packed_linear(x, p, None) for p in packed[:n]])),
+                            inp, dtype, copies, FALLBACK_PACKED_FROM_ROWS, clock)
+    threshold = first_of_winning_tail(wins)
+    log.debug("linear %dx%d (%s): packed wins at rows %s -> %s", out, inp, dtype,
+              [r for r, w in zip(LAYOUT_PROBE_ROWS, wins) if w], threshold)
+    return threshold
+
+
+def first_of_winning_tail(wins: list[bool]) -> int | None:
+    """The smallest of LAYOUT_PROBE_ROWS from which every larger probed count won too (None: the largest lost)."""
     threshold = None
     for rows, win in zip(reversed(LAYOUT_PROBE_ROWS), reversed(wins)):
         if not win:
             break
         threshold = rows
-    log.debug("linear %dx%d (%s): packed wins at rows %s -> %s", out, inp, dtype,
-              [r for r, w in zip(LAYOUT_PROBE_ROWS, wins) if w], threshold)
     return threshold
+
+
+def wins_by_rows(pair, inp: int, dtype: torch.dtype, copies: int, fallback_from: int, clock: Clock) -> list[bool]:
+    """For each of LAYOUT_PROBE_ROWS, whether ``b`` is at least as fast as ``a`` for ``(a, b) = pair(x, n)`` (x: that
+    many random rows; n: the weight copies to walk, all of them while memory-bound); where the machine is too noisy
+    to tell, whether the row count reaches ``fallback_from``."""
+    wins = []
+    for rows in LAYOUT_PROBE_ROWS:
+        a, b = pair(torch.randn(rows, inp, dtype=dtype), copies if rows <= COLD_ROWS_MAX else 1)
+        a(), b()  # warm-up: first calls pick kernels, fault pages in
+        ratio = fastest_ratio(a, b, clock)
+        wins.append(rows >= fallback_from if ratio is None else ratio <= 1.0)
+    return wins
 
 
 def fastest_ratio(a: Work, b: Work, clock: Clock = time.perf_counter, samples: int = LAYOUT_SAMPLES,

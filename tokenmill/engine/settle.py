@@ -15,6 +15,10 @@ What is settled, and how ``auto`` resolves:
   parallelism the cores shared out among the ranks;
 - CPU weight layouts: per linear layer shape, the row count from which a weight packed for oneDNN beats the plain
   one, measured here (engine/layouts.py); the layers pack at load (kernels/cpu_linear.py);
+- quantized weights (models/quantization.py): the candidates of ``--quantization``; a checkpoint's own quantized
+  tensors (``auto``) are timed per shape and format against the dense layout on a CPU (engine/layouts.py) and kept
+  quantized below the row count where dense wins (dense on a GPU until a GPU kernel reads them); ``int8|int4|fp8``
+  are quantized at every row count;
 - execution: captured CUDA graphs (one GPU, Triton kernels), a compiled layer stack on a CPU, or eager;
 - drafting: the speculative method, checked against the checkpoint.
 """
@@ -33,6 +37,7 @@ import torch
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.distributed.group import TensorParallel
 from tokenmill.engine.layouts import Layouts, choose_layouts, describe, linear_shapes
+from tokenmill.engine.quant_layouts import QuantLayouts, choose_quantization
 from tokenmill.engine.probe import Clock, Comparison, compare, repetitions
 from tokenmill.kernels.backend import resolve_kernel_backend
 from tokenmill.kernels.cpu_linear import pack_weight, packed_linear
@@ -72,9 +77,12 @@ class Settled:
     tensor_parallel_size: int
     # CPU linear layers: ((out, in, packed_from_rows | None), ...) per shape (engine/layouts.py); () = all plain.
     linear_layouts: Layouts = ()
+    # Quantized candidates: ((out, in, format, dense_from_rows | None), ...) (engine/layouts.py); () = none.
+    quant_layouts: QuantLayouts = ()
 
     def __post_init__(self):  # a broadcast copy may arrive with lists for tuples
         object.__setattr__(self, "linear_layouts", tuple(tuple(row) for row in self.linear_layouts))
+        object.__setattr__(self, "quant_layouts", tuple(tuple(row) for row in self.quant_layouts))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -103,14 +111,18 @@ def settle(config: EngineConfig, model_config: ModelConfig, clock: Clock = time.
     dtype = choose_dtype(config, device, shapes, clock)
     threads = choose_threads(config, device, size, model_config, dtype, clock)
     layouts: Layouts = ()
+    meta = meta_model(config, model_config, size)
     if device == "cpu":
-        layouts = choose_layouts(config.cpu_weight_layout, linear_shapes(meta_model(config, model_config, size)),
-                                 DTYPES[dtype], threads or torch.get_num_threads(), clock, config.kernel_cache_dir)
+        layouts = choose_layouts(config.cpu_weight_layout, linear_shapes(meta), DTYPES[dtype],
+                                 threads or torch.get_num_threads(), clock, config.kernel_cache_dir)
         log.info("linear layers (%s): %s", config.cpu_weight_layout, describe(layouts))
+    quant_layouts = choose_quantization(config, model_config, meta, device if backend != "torch" else "torch",
+                                        size, layouts, DTYPES[dtype], threads or torch.get_num_threads(), clock)
     settled = Settled(
         device=device, dtype=dtype, num_threads=threads, kv_cache_dtype=kv_dtype, kernel_backend=backend,
         execution=choose_execution(config, device, backend, size, model_config),
-        speculative_method=config.speculative_method, tensor_parallel_size=size, linear_layouts=layouts)
+        speculative_method=config.speculative_method, tensor_parallel_size=size, linear_layouts=layouts,
+        quant_layouts=quant_layouts)
     log.info("settled: %s", ", ".join(f"{k}={v}" for k, v in settled.to_dict().items()))
     return settled
 

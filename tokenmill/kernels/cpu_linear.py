@@ -69,6 +69,13 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight if plain_needed else None
         self.index = 0  # in its model's packed_linears table (pack_linears numbers them)
 
+    def packed_only_bytes(self) -> int:
+        """Bytes of a weight held packed only (no plain copy: the model's parameters do not show it), its logical
+        size; 0 where the plain weight is kept."""
+        if self.weight is not None or self._packed is None:
+            return 0
+        return self.in_features * self.out_features * self._packed.element_size()
+
     def run(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         if self.packed_from_rows is not None and rows.shape[0] >= self.packed_from_rows:
@@ -120,22 +127,39 @@ def _(x, index, out_features):
 
 def pack_linears(model: nn.Module, packed_from_rows: dict[tuple[int, int], int | None],
                  keep_plain: tuple[str, ...] = ("lm_head",), skip: tuple[str, ...] = ()) -> int:
-    """Swap every ``nn.Linear`` of ``model`` (but those named in ``skip``, whose weight others read as a tensor) for
-    a PackedLinear with its shape's threshold from ``packed_from_rows`` (a shape not in it stays plain), numbered
-    into ``model.packed_linears``. Returns how many layers were packed."""
+    """Number the model's CPU linear layers into ``model.packed_linears`` (the table the compiled graph's
+    ``cpu_linear`` ops index): every ``nn.Linear`` (but those named in ``skip``, whose weight others read as a tensor)
+    swapped for a PackedLinear with its shape's threshold from ``packed_from_rows`` (a shape not in it stays plain;
+    an empty table swaps none), and every quantized layer (models/layers/linear.py), whose dense copy, where it keeps
+    one, is packed the same way. Returns how many layers were packed."""
     counts: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         counts[id(param)] = counts.get(id(param), 0) + 1
-    swaps = []
+    swaps, layers = [], []
     for module in model.modules():
         for child_name, child in module.named_children():
-            if type(child) is not nn.Linear or child_name in skip:
+            if hasattr(child, "dense_from_rows"):  # a QuantLinear: it stays, numbered
+                child.prepare_cpu()
+                if child.weight is not None and packed_from_rows:
+                    dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+                    dense.weight, dense.bias = child.weight, child.bias
+                    child.dense = PackedLinear(dense, packed_from_rows.get((child.out_features, child.in_features)),
+                                               keep_plain=counts[id(child.weight)] > 1)
+                    if child.dense.weight is None:  # packed only: the plain copy goes
+                        child.weight = None
+                layers.append(child)
+                continue
+            if type(child) is not nn.Linear or child_name in skip or not packed_from_rows:
                 continue
             threshold = packed_from_rows.get((child.out_features, child.in_features))
             shared = counts[id(child.weight)] > 1
-            swaps.append((module, child_name, PackedLinear(child, threshold, shared or child_name in keep_plain)))
-    for index, (module, child_name, packed) in enumerate(swaps):
-        packed.index = index
+            packed = PackedLinear(child, threshold, shared or child_name in keep_plain)
+            swaps.append((module, child_name, packed))
+            layers.append(packed)
+    for module, child_name, packed in swaps:
         setattr(module, child_name, packed)
-    model.packed_linears = tuple(packed for *_, packed in swaps)
-    return sum(1 for layer in model.packed_linears if layer.packed_from_rows is not None)
+    for index, layer in enumerate(layers):
+        layer.index = index
+    model.packed_linears = tuple(layers)
+    dense = [layer.dense if hasattr(layer, "dense_from_rows") else layer for layer in layers]
+    return sum(1 for layer in dense if layer is not None and layer.packed_from_rows is not None)

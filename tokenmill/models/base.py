@@ -18,6 +18,7 @@ from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.layers.linear import QUANT_BUFFERS, QuantLinear
 from tokenmill.models.layers.logits import logits_with_exact_top
 from tokenmill.models.layers.vocab import vocab_rows
 
@@ -72,8 +73,12 @@ class DecoderLM(nn.Module):
                 module.kernels = choice
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> float32 logits [S, vocab] (every rank's vocabulary shard gathered)."""
-        logits = logits_with_exact_top(hidden, self.lm_head.weight, self.lm_head)
+        """hidden [S, hidden] -> float32 logits [S, vocab] (every rank's vocabulary shard gathered); a quantized head
+        computes in float32 already."""
+        if isinstance(self.lm_head, QuantLinear):
+            logits = self.lm_head(hidden).float()
+        else:
+            logits = logits_with_exact_top(hidden, self.lm_head.weight, self.lm_head)
         return self.tp.all_gather_last(logits)[:, :self.config.vocab_size] if self.tp.size > 1 else logits
 
     def cast_parameters(self, dtype: torch.dtype) -> "DecoderLM":
@@ -93,6 +98,79 @@ class DecoderLM(nn.Module):
         self.rotary.to(device)
         return self
 
+    def weight_target(self, name: str) -> tuple[str, int | None] | None:
+        """Checkpoint tensor ``name`` -> (this model's tensor name, first row in a fused tensor or None); a model
+        that fuses or renames overrides it (llama.py). None: not kept."""
+        return name.removeprefix("model."), None
+
+    def takes(self, name: str) -> bool:
+        """Whether this model reads checkpoint tensor ``name``: a quantized piece only for a layer that holds it as
+        it is, a full-precision weight only for a layer that keeps it (or rounds it at load)."""
+        stem, _, leaf = name.rpartition(".")
+        if leaf not in ("weight", *QUANT_BUFFERS):
+            return True
+        target = self.weight_target(name)
+        if target is None:
+            return True
+        path = target[0].rpartition(".")[0]
+        try:
+            module = self.get_submodule(path)
+        except AttributeError:
+            return leaf == "weight"
+        if leaf in QUANT_BUFFERS:
+            return isinstance(module, QuantLinear) and not module.quantize_at_load
+        return not isinstance(module, QuantLinear) or module.weight is not None or module.quantize_at_load
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights as held: every parameter and quantized buffer, each storage once (a tied
+        head counts once), and a weight kernels/cpu_linear.py holds packed only at its logical size (a packed copy
+        beside a kept plain one is not counted)."""
+        seen, total = set(), sum(m.packed_only_bytes() for m in self.modules() if hasattr(m, "packed_only_bytes"))
+        tensors = [p for _, p in self.named_parameters(remove_duplicate=False)]
+        tensors += [b for n, b in self.named_buffers() if n.rpartition(".")[2] in QUANT_BUFFERS]
+        for t in tensors:
+            if t.device.type != "meta" and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    def loadable_tensors(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint fills: every parameter's data and every quantized layer's buffers, by name."""
+        tensors = {name: param.data for name, param in self.named_parameters()}
+        tensors.update((name, buf) for name, buf in self.named_buffers() if name.rpartition(".")[2] in QUANT_BUFFERS)
+        return tensors
+
+    def tied_head_target(self, name: str) -> str:
+        """A tied embedding's quantized pieces fill a quantized LM head (the embedding itself keeps its dense rows)."""
+        stem, _, leaf = name.rpartition(".")
+        if stem == "embed_tokens" and leaf in QUANT_BUFFERS and self.config.tie_word_embeddings:
+            return f"lm_head.{leaf}"
+        return name
+
+    def copy_quantized(self, name: str, offset: int | None, tensor: torch.Tensor, filled: dict[str, int]) -> bool:
+        """Copy a tensor aimed at a QuantLinear (models/layers/linear.py): its pieces as they are; a full-precision
+        weight into the dense copy where it keeps one and, where it quantizes at load, rounded into its buffers.
+        False when ``name`` is not a quantized layer's weight or piece (the caller copies it as a parameter)."""
+        path, _, leaf = name.rpartition(".")
+        try:
+            module = self.get_submodule(path) if path else None
+        except AttributeError:  # not a module of this model: the caller's "unexpected weight"
+            return False
+        if not isinstance(module, QuantLinear) or leaf not in ("weight", *QUANT_BUFFERS):
+            return False
+        rows = slice(None) if offset is None else slice(offset, offset + tensor.shape[0])
+        if leaf in QUANT_BUFFERS:
+            self.copy_weight(name, getattr(module, leaf)[rows], tensor, filled)
+            return True
+        if module.weight is None and not module.quantize_at_load:
+            raise ValueError(f"unexpected full-precision weight {name!r}: the layer is stored quantized")
+        if module.weight is not None:
+            self.copy_weight(name, module.weight.data[rows], tensor, filled)
+        if module.quantize_at_load:
+            for buffer, count in module.load_dense(tensor.float(), offset or 0).items():
+                filled[f"{path}.{buffer}"] = filled.get(f"{path}.{buffer}", 0) + count
+        return True
+
     @staticmethod
     def copy_weight(name: str, dst: torch.Tensor, tensor: torch.Tensor, filled: dict[str, int]) -> None:
         """Copy checkpoint ``tensor`` into parameter ``name``'s view ``dst`` and count the elements filled; a rank's
@@ -106,10 +184,17 @@ class DecoderLM(nn.Module):
         filled[name] = filled.get(name, 0) + tensor.numel()
 
     def finish_loading(self, filled: dict[str, int], tie_word_embeddings: bool) -> None:
-        """Tie the head if asked, then require every parameter to have been filled exactly once."""
-        if tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-            filled["lm_head.weight"] = self.lm_head.weight.numel()
-        missing = [n for n, p in self.named_parameters(remove_duplicate=False) if filled.get(n, 0) != p.numel()]
+        """Tie the head if asked (a quantized head keeps its own pieces; rounded from the embedding where it quantizes
+        at load), then require every parameter and quantized buffer to have been filled exactly once."""
+        head = self.lm_head
+        if tie_word_embeddings and (not isinstance(head, QuantLinear) or head.weight is not None):
+            head.weight = self.embed_tokens.weight
+            filled["lm_head.weight"] = head.weight.numel()
+        if tie_word_embeddings and isinstance(head, QuantLinear) and head.quantize_at_load:
+            for buffer, count in head.load_dense(self.embed_tokens.weight.float()).items():
+                filled[f"lm_head.{buffer}"] = count
+        expected = [(n, p.numel()) for n, p in self.named_parameters(remove_duplicate=False)]
+        expected += [(n, b.numel()) for n, b in self.named_buffers() if n.rpartition(".")[2] in QUANT_BUFFERS]
+        missing = [n for n, numel in expected if filled.get(n, 0) != numel]
         if missing:
             raise ValueError(f"checkpoint does not fill these weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")

@@ -7,10 +7,11 @@ router) are decided once. Pure Python: ``tokenmill plan`` imports it without tor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
+from tokenmill.models.quant_methods import CHECKPOINT_METHODS, is_quantized_module, linear_format
 
 
 # What models/registry.py serves; a checkpoint naming several architectures is read as the first of these.
@@ -72,6 +73,45 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class Quantization:
+    """A checkpoint's quantized linear weights (kernels/quant_linear.py names the formats)."""
+    method: str  # "gguf" (per tensor, as the file stores it) | "awq" | "gptq" | "compressed-tensors"
+    # GGUF: (module name as the checkpoint names it, e.g. model.layers.0.self_attn.q_proj, format) per quantized
+    # tensor; a name absent is full precision.
+    formats: tuple[tuple[str, str], ...] = ()
+    # The other methods: one format for every quantized linear layer, and the config that says which those are.
+    default_format: str | None = None
+    config: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def format_of(self, module: str) -> str | None:
+        """The format of checkpoint linear layer ``module``; None: stored full precision."""
+        if self.formats:
+            return dict(self.formats).get(module)
+        return self.default_format if is_quantized_module(self.config, module) else None
+
+
+# quant_method values read from a checkpoint's config.json (fp8: DeepSeek-V3's 128x128 blocks).
+SUPPORTED_QUANT_METHODS = ("fp8", "gguf", *CHECKPOINT_METHODS)
+FP8_BLOCK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def _quantization(hf: dict[str, Any], architecture: str) -> "Quantization | None":
+    quant = hf.get("quantization_config") or {}
+    method = quant.get("quant_method")
+    if not quant or method == "fp8":
+        if method == "fp8" and architecture not in FP8_BLOCK_ARCHITECTURES:
+            raise ValueError(f"quantization fp8 (block-quantized weights with *_scale_inv tensors) is supported for "
+                             f"{', '.join(FP8_BLOCK_ARCHITECTURES)} checkpoints, not {architecture}")
+        return None
+    if method not in SUPPORTED_QUANT_METHODS:
+        raise ValueError(f"quantization_config quant_method {method!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_QUANT_METHODS)})")
+    if method in CHECKPOINT_METHODS:
+        return Quantization(method, default_format=linear_format(quant)[1], config=dict(quant))
+    return Quantization(method, tuple(sorted(quant.get("formats", {}).items())))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -94,6 +134,8 @@ class ModelConfig:
     fp8_weight_block: tuple[int, int] | None = None
     # DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), stored after the decoder layers.
     num_mtp_layers: int = 0
+    # Linear weights stored quantized (a GGUF file's Q4/Q8 tensors); None: full precision (or fp8 blocks, above).
+    quantization: Quantization | None = None
 
     @property
     def attention_kind(self) -> str:
@@ -130,8 +172,7 @@ class ModelConfig:
         eos = _ids(hf.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
         eos += _ids(tokenizer_eos_token_id)
         quant = hf.get("quantization_config") or {}
-        if quant and quant.get("quant_method") != "fp8":
-            raise ValueError(f"quantization {quant.get('quant_method')!r} is not supported (only fp8 blocks)")
+        quantization = _quantization(hf, architecture)
         return cls(
             architecture=architecture, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
@@ -144,8 +185,9 @@ class ModelConfig:
             # Qwen2 has q/k/v biases without saying so in its config.
             attention_bias=bool(hf.get("attention_bias", False)) or architecture == "Qwen2ForCausalLM",
             rope=rope_parameters(hf), eos_token_ids=tuple(dict.fromkeys(eos)), mla=mla, moe=_moe(hf, architecture),
-            fp8_weight_block=tuple(quant.get("weight_block_size") or (128, 128)) if quant else None,
-            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0) if mla else 0)
+            fp8_weight_block=tuple(quant.get("weight_block_size") or (128, 128))
+            if quant.get("quant_method") == "fp8" else None,
+            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0) if mla else 0, quantization=quantization)
 
 
 def _mla(hf: dict[str, Any], architecture: str) -> MLAConfig | None:

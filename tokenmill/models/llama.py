@@ -76,27 +76,47 @@ class LlamaForCausalLM(DecoderLM):
             return 0, self.embed_tokens.shard(a.vocab_size)
         return None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors (this rank's slices, ``weight_shard``) in, fusing q/k/v and gate/up; every parameter
-        must be filled exactly once."""
+    def linear_sources(self) -> dict[str, tuple[str, ...]]:
+        """Each linear layer (module path) -> the checkpoint modules its weight is made of, in row order."""
+        sources = {}
+        for i in range(self.config.num_layers):
+            ckpt = f"model.layers.{i}"
+            sources[f"layers.{i}.self_attn.qkv_proj"] = tuple(f"{ckpt}.self_attn.{p}_proj" for p in "qkv")
+            sources[f"layers.{i}.self_attn.o_proj"] = (f"{ckpt}.self_attn.o_proj",)
+            sources[f"layers.{i}.mlp.gate_up_proj"] = (f"{ckpt}.mlp.gate_proj", f"{ckpt}.mlp.up_proj")
+            sources[f"layers.{i}.mlp.down_proj"] = (f"{ckpt}.mlp.down_proj",)
+        sources["lm_head"] = ("model.embed_tokens",) if self.config.tie_word_embeddings else ("lm_head",)
+        return sources
+
+    def weight_target(self, name: str) -> tuple[str, int | None] | None:
+        """Checkpoint tensor ``name`` -> (this model's parameter or buffer name, the first row it fills in a fused
+        q/k/v or gate/up tensor, else None); None for tensors the model does not keep (rotary tables)."""
+        if "rotary_emb" in name:
+            return None
         attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
-        params = dict(self.named_parameters())
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", attn.q_size),
                  "v_proj": ("qkv_proj", attn.q_size + attn.kv_size),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", mlp.intermediate)}
+        parts = name.removeprefix("model.").split(".")
+        if len(parts) >= 2 and parts[-2] in fused:
+            target, offset = fused[parts[-2]]
+            return ".".join(parts[:-2] + [target, parts[-1]]), offset
+        return self.tied_head_target(".".join(parts)), None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (this rank's slices, ``weight_shard``) in, fusing q/k/v and gate/up; every parameter
+        and quantized buffer must be filled exactly once."""
+        params = self.loadable_tensors()
         filled: dict[str, int] = {}
         for name, tensor in weights:
-            if "rotary_emb" in name:
+            target = self.weight_target(name)
+            if target is None:
                 continue
-            name = name.removeprefix("model.")
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in fused:
-                target, offset = fused[parts[-2]]
-                name = ".".join(parts[:-2] + [target, parts[-1]])
-                dst = params[name].data[offset:offset + tensor.shape[0]]
-            elif name in params:
-                dst = params[name].data
-            else:
+            name, offset = target
+            if self.copy_quantized(name, offset, tensor, filled):
+                continue
+            if name not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            dst = params[name] if offset is None else params[name][offset:offset + tensor.shape[0]]
             self.copy_weight(name, dst, tensor, filled)
         self.finish_loading(filled, self.config.tie_word_embeddings)

@@ -1,16 +1,21 @@
 """Find a model and read its config and weights: a Hugging Face checkpoint directory or a GGUF file.
 
 Both paths yield the same thing: an HF-style config dict and (HF tensor name, tensor) pairs, so model code
-knows one naming scheme. GGUF tensors are dequantized at load with the ``gguf`` package; llama.cpp's
-rotary permutation of Q/K rows is undone so that GGUF and safetensors weights run the same code.
+knows one naming scheme. GGUF tensors in Q4_0, Q4_1 and Q8_0 are also offered as they are stored, as the pieces of
+kernels/quant_linear.py's int4 / int8 formats (``<name>.qweight``, ``.scales``, ``.mins`` beside ``<name>.weight``;
+the config's ``quantization_config`` lists them); every other type, and the ``.weight`` of these, is dequantized
+with the ``gguf`` package. llama.cpp's rotary permutation of Q/K rows is undone so that GGUF and safetensors weights
+run the same code.
 
-A model passes ``shard`` (name -> (dim, slice), None, or SKIP) and gets only what it runs: a tensor-parallel rank
+A model passes ``shard`` (name -> (dim, slice), None, or SKIP) and gets only what it runs (a GGUF weight it takes
+only quantized is never dequantized): a tensor-parallel rank
 its slice of each tensor, read lazily from safetensors (``get_slice``: only those bytes leave the file) or cut right
 after dequantizing from GGUF; nothing at all of the tensors it skips. The host holds at most one tensor at a time.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +182,25 @@ def gguf_reader(path: Path):
     return PlainViewReader(str(path))
 
 
+# GGUF block types kept as they are: (format, bytes of the fp16 scale and min fields before the codes).
+GGUF_KEPT_TYPES = {"Q4_0": "int4-g32", "Q4_1": "int4-g32", "Q8_0": "int8-g32"}
+
+
+def gguf_quantized_pieces(blocks: np.ndarray, type_name: str) -> dict[str, np.ndarray]:
+    """A Q4_0 / Q4_1 / Q8_0 tensor's raw blocks (uint8 [rows, bytes]) -> the int4 / int8 format's tensors, bytes
+    unchanged: Q4_0 (d, 16 code bytes; x = d * (q - 8)) -> scale d, min -8 d (exact in fp16); Q4_1 (d, m, 16 code
+    bytes; x = d * q + m) -> scale d, min m; Q8_0 (d, 32 int8 codes; x = d * q) -> scale d."""
+    rows = blocks.shape[0]
+    header = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[type_name]
+    b = blocks.reshape(rows, -1, header + (32 if type_name == "Q8_0" else 16))  # [rows, K / 32, block bytes]
+    d = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0]
+    codes = np.ascontiguousarray(b[..., header:]).reshape(rows, -1)
+    if type_name == "Q8_0":
+        return {"qweight": codes.view(np.int8), "scales": d}
+    mins = -8 * d if type_name == "Q4_0" else np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0]
+    return {"qweight": codes, "scales": d, "mins": mins}
+
+
 def _open_gguf(path: Path, name: str) -> Checkpoint:
     from gguf import dequantize
 
@@ -188,18 +212,33 @@ def _open_gguf(path: Path, name: str) -> Checkpoint:
     permute_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     llama_layout = config["architectures"][0] == "LlamaForCausalLM"
 
+    def arrays(tensor: Any) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+        name = hf_name_for_gguf(tensor.name)
+        yield name, lambda: dequantize(tensor.data, tensor.tensor_type)
+        if tensor.tensor_type.name in GGUF_KEPT_TYPES:
+            stem = name.removesuffix(".weight")
+            pieces = functools.cache(lambda: gguf_quantized_pieces(tensor.data, tensor.tensor_type.name))
+            for piece in ("qweight", "scales", "mins"):
+                if piece != "mins" or tensor.tensor_type.name != "Q8_0":
+                    yield f"{stem}.{piece}", lambda piece=piece: pieces()[piece]
+
     def weights(shard: Shard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for tensor in reader.tensors:
-            array = dequantize(tensor.data, tensor.tensor_type)
             part = tensor.name.split(".")[-2]
-            if llama_layout and part in permute_heads:
-                array = unpermute_rotary_rows(array, permute_heads[part])
-            name = hf_name_for_gguf(tensor.name)
-            cut = shard(name) if shard else None
-            if cut == SKIP:
-                continue
-            if cut is not None:
-                array = array[_index(*cut)]
-            yield name, torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
+            for name, read in arrays(tensor):
+                cut = shard(name) if shard else None
+                if cut == SKIP:
+                    continue
+                array = read()
+                if llama_layout and part in permute_heads:
+                    array = unpermute_rotary_rows(array, permute_heads[part])
+                if cut is not None:
+                    array = array[_index(*cut)]
+                piece = name.endswith((".qweight", ".scales", ".mins"))
+                yield name, torch.from_numpy(np.array(array, dtype=array.dtype if piece else np.float32))  # a copy
 
+    formats = {f"{hf_name_for_gguf(t.name).removesuffix('.weight')}": GGUF_KEPT_TYPES[t.tensor_type.name]
+               for t in reader.tensors if t.tensor_type.name in GGUF_KEPT_TYPES}
+    if formats:
+        config["quantization_config"] = {"quant_method": "gguf", "formats": formats}
     return Checkpoint(path, name, config, weights, {}, tokenizer_dir=path.parent, tokenizer_gguf_file=path.name)

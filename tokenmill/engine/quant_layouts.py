@@ -1,0 +1,139 @@
+"""The quantized layers' weight layouts, settled at start-up (models/quantization.py names the candidates;
+engine/build.py applies the table).
+
+Each candidate (shape, format) of a checkpoint's own quantized weights is timed against its shape's dense layout
+(engine/layouts.py: the same cold copies, interleaved samples and fastest-of ratio), giving ``dense_from_rows``: the
+quantized kernel below it, the dense weight from it up (1: dense always, so the layer is not kept quantized; None:
+quantized always, no dense copy). The thresholds are kept on disk per CPU model with the others, keyed by the C
+kernels' source so that a changed kernel is measured again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.engine.layouts import (COLD_ROWS_MAX, LAYOUT_PROBE_ROWS, MAX_DUAL_SHARE, Layouts, MeasuredThresholds,
+                                      Shape, _itemsize, available_memory, cold_copies, first_of_winning_tail,
+                                      wins_by_rows)
+from tokenmill.engine.probe import Clock
+from tokenmill.kernels.cpu_linear import pack_weight, packed_linear
+from tokenmill.kernels.cpu_native import source_digest
+from tokenmill.kernels.quant_linear import CPUQuantMatmul, WeightFormat, quantize
+from tokenmill.models.base import DecoderLM
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.quant_methods import CHECKPOINT_METHODS
+from tokenmill.models.quantization import candidate_formats, check_supported
+
+log = logging.getLogger(__name__)
+
+# ((out, in, format name, dense_from_rows), ...): the settled table of quantized candidates.
+QuantLayouts = tuple[tuple[int, int, str, "int | None"], ...]
+
+
+def choose_quantization(config: EngineConfig, model_config: ModelConfig, meta: DecoderLM, device: str, size: int,
+                        layouts: Layouts, dtype: torch.dtype, threads: int, clock: Clock) -> QuantLayouts:
+    """The quantized candidates' table: measured on a CPU for a checkpoint's own formats (``auto``), quantized always
+    for ``checkpoint`` and ``int8|int4|fp8``, dense for a checkpoint's own formats under ``auto`` on a GPU (no GPU
+    kernel reads them yet) or across tensor-parallel ranks."""
+    mode = config.quantization
+    try:
+        check_supported(meta, model_config, mode)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    shipped = model_config.quantization.method if model_config.quantization else None
+    if shipped in CHECKPOINT_METHODS:  # no full-precision copy to fall back on
+        if mode not in ("auto", "checkpoint"):
+            raise ConfigError(f"this checkpoint's weights are stored quantized ({shipped}): --quantization {mode} "
+                              f"cannot serve them otherwise (use auto)")
+        if not hasattr(meta, "linear_sources"):
+            raise ConfigError(f"{shipped} checkpoints are not built for {model_config.architecture} yet")
+        if size > 1:
+            raise ConfigError(f"{shipped} checkpoints are not built for tensor-parallel ranks yet")
+        mode = "checkpoint"
+    candidates: dict[tuple[int, int, str], int] = {}
+    at_load = False
+    for path, (fmt, at_load) in candidate_formats(meta, model_config, mode, config.quantization_group_size).items():
+        layer = meta.get_submodule(path)
+        key = (layer.out_features, layer.in_features, fmt)
+        candidates[key] = candidates.get(key, 0) + 1
+    if not candidates:
+        return ()
+    if size > 1:
+        if at_load:
+            raise ConfigError(f"--quantization {mode} is not built for tensor-parallel ranks yet")
+        return tuple((out, inp, fmt, 1) for out, inp, fmt in sorted(candidates))
+    if at_load or mode == "checkpoint":
+        return tuple((out, inp, fmt, None) for out, inp, fmt in sorted(candidates))
+    if device != "cpu":  # a GPU, or the PyTorch references ("torch"): no kernel reads them faster than dense
+        return tuple((out, inp, fmt, 1) for out, inp, fmt in sorted(candidates))
+    table = choose_quant_layouts(candidates, {(o, i): t for o, i, t in layouts}, dtype, threads, clock,
+                                 config.kernel_cache_dir)
+    log.info("quantized weights (%s): %s", mode, describe_quant(table))
+    return table
+
+
+def choose_quant_layouts(candidates: dict[tuple[int, int, str], int], dense: dict[Shape, int | None],
+                         dtype: torch.dtype, threads: int, clock: Clock = time.perf_counter,
+                         cache_dir: str | None = None) -> QuantLayouts:
+    """``candidates``: {(out, in, format): how many layers} -> each one's ``dense_from_rows`` against its dense
+    layout (``dense``: the shape's packed_from_rows). Where both copies of the layers that need both would not fit
+    in MAX_DUAL_SHARE of the memory available, those keep only the quantized weight."""
+    table = {}
+    cache = MeasuredThresholds(cache_dir)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for (out, inp, fmt), count in sorted(candidates.items()):
+            packed_from = dense.get((out, inp))
+            key = f"{out}x{inp}:{fmt}:{dtype}:{threads} threads:{cold_copies(out, inp, count, dtype)} copies:" \
+                  f"dense packed from {packed_from}:kernels {source_digest()}"
+            if key not in cache.thresholds:
+                cache.thresholds[key] = dense_from_rows(out, inp, count, fmt, dtype, packed_from, clock)
+                cache.dirty = True
+            table[(out, inp, fmt)] = cache.thresholds[key]
+    finally:
+        torch.set_num_threads(before)
+    cache.save()
+    dual = sum(out * inp * candidates[(out, inp, fmt)] * _itemsize(dtype) for (out, inp, fmt), t in table.items()
+               if t is not None and t > 1)
+    if dual > MAX_DUAL_SHARE * available_memory():
+        log.info("quantized layers: their dense copies would take %.1f GiB: quantized only", dual / 2**30)
+        table = {key: t if t == 1 else None for key, t in table.items()}
+    return tuple((out, inp, fmt, t) for (out, inp, fmt), t in sorted(table.items()))
+
+
+@functools.lru_cache(maxsize=None)
+def dense_from_rows(out: int, inp: int, count: int, fmt: str, dtype: torch.dtype, packed_from: int | None,
+                    clock: Clock = time.perf_counter) -> int | None:
+    """The smallest probed row count from which the dense layout (packed from ``packed_from`` rows, plain below) is
+    at least as fast as the quantized kernel at every larger probed count; None where the quantized one wins at the
+    largest."""
+    copies = cold_copies(out, inp, count, dtype)
+    weight_format = WeightFormat.parse(fmt)
+    with torch.inference_mode():
+        weights = [torch.randn(out, inp, dtype=dtype) / math.sqrt(inp) for _ in range(copies)]
+        packed = [pack_weight(w) if packed_from is not None else None for w in weights]
+        quantized = [CPUQuantMatmul(weight_format, q["qweight"], q["scales"], q.get("mins"))
+                     for q in (quantize(w, weight_format) for w in weights)]
+        def dense(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+            use_packed = packed_from is not None and x.shape[0] >= packed_from
+            return [packed_linear(x, p, None) if use_packed else F.linear(x, w) for w, p in zip(weights[:n], packed)]
+        wins = wins_by_rows(lambda x, n: ((lambda: [kernel(x) for kernel in quantized[:n]]), (lambda: dense(x, n))),
+                            inp, dtype, copies, COLD_ROWS_MAX, clock)
+    threshold = first_of_winning_tail(wins)
+    log.debug("linear %dx%d %s: dense wins at rows %s -> %s", out, inp, fmt,
+              [r for r, w in zip(LAYOUT_PROBE_ROWS, wins) if w], threshold)
+    return threshold
+
+
+def describe_quant(layouts: QuantLayouts) -> str:
+    return ", ".join(f"{out}x{inp} {fmt}: " + ("dense" if t == 1 else "quantized" if t is None else
+                                               f"quantized below {t} rows, dense from {t}")
+                     for out, inp, fmt, t in layouts) or "none"

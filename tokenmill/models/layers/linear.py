@@ -1,0 +1,107 @@
+"""Linear layers over quantized weights (kernels/quant_linear.py: the formats, the kernels, the reference).
+
+A model is built with ``nn.Linear`` layers; ``quantize_linears`` swaps the ones a quantization plan names for a
+QuantLinear of the same shape before the weights are materialized, so a checkpoint's quantized tensors are copied
+into the layer's buffers as they are (``qweight``, ``scales``, ``mins``: names a loader yields beside the weight's),
+never through a full-precision copy. A layer may also keep the dense ``weight`` (``dense_from_rows``: calls of at
+least that many rows run on it, where the start-up measurement found the dense GEMM faster: engine/layouts.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from typing import NamedTuple
+
+from tokenmill.kernels.backend import KernelChoice
+from tokenmill.kernels.cpu_native import library
+from tokenmill.kernels.quant_linear import CPUQuantMatmul, WeightFormat, quant_linear, quantize
+
+QUANT_BUFFERS = ("qweight", "scales", "mins")
+
+
+class LinearPlan(NamedTuple):
+    """How one linear layer holds its weight: ``fmt`` (a format name); calls of ``dense_from_rows`` rows and more run
+    on a dense copy (None: none is kept); ``quantize_at_load``: the checkpoint's tensor is full precision and is
+    rounded into the format as it is copied in (else the checkpoint offers it quantized)."""
+    fmt: str
+    dense_from_rows: int | None = None
+    quantize_at_load: bool = False
+
+
+class QuantLinear(nn.Module):
+    """out = x @ W^T + bias with W in ``fmt``. Invariant: ``weight`` exists exactly when ``dense_from_rows`` is set
+    (the dense copy of the same W, or of the checkpoint's full-precision weight it was quantized from)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: WeightFormat,
+                 dense_from_rows: int | None = None, quantize_at_load: bool = False, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.quantize_at_load = quantize_at_load
+        for name, (shape, buffer_dtype) in fmt.shapes(out_features, in_features).items():
+            self.register_buffer(name, torch.empty(shape, dtype=buffer_dtype))
+        if not fmt.has_min:
+            self.mins = None
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.dense_from_rows = dense_from_rows
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False) \
+            if dense_from_rows is not None else None
+        self.kernels = KernelChoice()  # set by the model (DecoderLM.use_kernels)
+        self.dense = None  # the packed dense layer, on a CPU (kernels/cpu_linear.py pack_linears)
+        # The C kernel over these buffers, prepared once they hold the weights (prepare_cpu); None: the dispatch.
+        self._cpu_kernel: CPUQuantMatmul | None = None
+        self.index = 0  # in its model's packed_linears table (pack_linears numbers it)
+
+    def prepare_cpu(self) -> None:
+        """Bind the CPU kernel to this layer's buffers (after loading, with the "cpu" kernel backend); moving the
+        buffers afterwards needs another call."""
+        use = self.kernels.backend == "cpu" and self.qweight.device.type == "cpu" and library() is not None
+        self._cpu_kernel = CPUQuantMatmul(self.fmt, self.qweight, self.scales, self.mins, self.bias) if use else None
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self._cpu_kernel  # the hot path (a decode on a CPU) first: Python costs ~1 us a line here
+        if kernel is not None and (self.dense_from_rows is None or x.numel() < self.dense_from_rows * self.in_features):
+            return kernel(x)
+        rows = x.reshape(-1, self.in_features)
+        if self.dense_from_rows is not None and rows.shape[0] >= self.dense_from_rows:
+            out = self.dense.run(rows) if self.dense is not None else F.linear(rows, self.weight, self.bias)
+        else:
+            out = quant_linear(rows, self.fmt, self.qweight, self.scales, self.mins, self.bias, self.kernels.backend)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and x.device.type == "cpu":
+            return torch.ops.tokenmill.cpu_linear(x, self.index, self.out_features)
+        return self.run(x)
+
+    def load_dense(self, weight: torch.Tensor, first_row: int = 0) -> dict[str, int]:
+        """Round a full-precision [rows, in] weight into rows ``first_row``.. of this layer (``--quantization``);
+        returns the elements filled per buffer."""
+        filled = {}
+        for name, tensor in quantize(weight, self.fmt).items():
+            getattr(self, name)[first_row:first_row + tensor.shape[0]].copy_(tensor)
+            filled[name] = tensor.numel()
+        return filled
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}, " \
+               f"dense_from_rows={self.dense_from_rows}"
+
+
+def quantize_linears(model: nn.Module, plan: dict[str, LinearPlan], dtype: torch.dtype | None = None) -> int:
+    """Swap the ``nn.Linear`` layers named in ``plan`` (module path -> LinearPlan) for QuantLinear layers of the same
+    shape. Returns how many were swapped."""
+    swapped = 0
+    for path, entry in plan.items():
+        parent_path, _, child_name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        linear = getattr(parent, child_name)
+        if type(linear) is not nn.Linear:
+            raise ValueError(f"{path} is not a linear layer")
+        setattr(parent, child_name, QuantLinear(linear.in_features, linear.out_features, linear.bias is not None,
+                                                WeightFormat.parse(entry.fmt), entry.dense_from_rows,
+                                                entry.quantize_at_load, dtype or linear.weight.dtype))
+        swapped += 1
+    return swapped
