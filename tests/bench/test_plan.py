@@ -100,3 +100,20 @@ def test_per_rank_kv_cache():
     assert plan.sequences_that_fit("fp8", "fp8") == free // (kv_spec(v3, "fp8").bytes_per_token * 4096)
     with pytest.raises(ValueError, match="attention heads"):
         Plan("deepseek-v3", v3, 4096, 141 * 10**9, 0.9, tensor_parallel_size=3).weight_bytes("fp8")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
+def test_quantized_weight_bytes_match_the_served_engine(tmp_path, smollm_llm, mode):
+    """``tokenmill plan --weight-dtype int8|int4|fp8`` and the weight bytes a bf16 engine serving the same checkpoint
+    with ``--quantization`` of that kind holds (what /metrics shows as tokenmill:model_weight_bytes)."""
+    import json
+
+    from tests.tiny_checkpoints import make_llama_checkpoint
+    from tokenmill import LLM
+
+    make_llama_checkpoint(tmp_path, smollm_llm)
+    config = json.loads((tmp_path / "config.json").read_text())
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", quantization=mode, kv_cache_memory="16MiB")
+    plan = Plan("tiny", config, context=256, memory=GiB, utilization=0.9)
+    assert plan.weight_bytes(mode) == llm.engine.info.weight_bytes
+    assert plan.weight_bytes(mode) < plan.weight_bytes("bf16")

@@ -69,6 +69,11 @@ def test_metrics_parse_and_count(fp32_server):
     assert API_KEY not in text and ALICE_KEY not in text
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "admission_saturation"):
         assert "tokenmill:" + gauge in samples
+    # Full-precision float32 weights: the planner's count of SmolLM2's parameters, four bytes each.
+    from tokenmill.bench.plan import PRESETS, num_parameters
+
+    weights = sample_value(samples["tokenmill:model_weight_bytes"], "tokenmill:model_weight_bytes", model_name=MODEL)
+    assert weights == num_parameters(PRESETS["smollm2-135m"]) * 4
     assert API_KEY not in fp32_server.log() and ALICE_KEY not in fp32_server.log()
 
 

@@ -23,8 +23,12 @@ from typing import Any
 from tokenmill.config import parse_byte_size
 from tokenmill.kvcache.spec import ELEMENT_BYTES, KVCacheSpec
 from tokenmill.models.config import ModelConfig, tp_split
+from tokenmill.models.quantization import dense_quantized_bytes
 
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# Weight dtypes that are the engine's --quantization layouts (dense models: linear layers in the format, the rest
+# bf16); for MLA / MoE models fp8 keeps its meaning of every weight at one byte (DeepSeek's fp8 checkpoints).
+QUANTIZED_WEIGHTS = ("int8", "int4", "fp8")
 GiB = 2**30
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -138,9 +142,17 @@ class Plan:
     memory: int  # of one GPU
     utilization: float
     tensor_parallel_size: int = 1
+    group_size: int = 128  # --quantization-group-size, for int4
 
     def weight_bytes(self, dtype: str) -> int:
         """Of one GPU."""
+        m = model_config(self.config)
+        if dtype in QUANTIZED_WEIGHTS and not (dtype == "fp8" and (m.mla or m.moe)):
+            if m.mla or m.moe:
+                raise ValueError(f"--weight-dtype {dtype}: quantized weights are not built for {m.architecture} yet")
+            if self.tensor_parallel_size > 1:
+                raise ValueError(f"--weight-dtype {dtype}: quantized weights are not built for tensor parallelism yet")
+            return dense_quantized_bytes(m, dtype, self.group_size)
         return rank_parameters(self.config, self.tensor_parallel_size) * WEIGHT_BYTES[dtype]
 
     def kv_bytes_per_token(self, dtype: str) -> int:
@@ -158,7 +170,8 @@ class Plan:
         lines = [f"# {self.name}: {attention_kind(c)} attention, {c['num_hidden_layers']} layers, "
                  f"{num_parameters(c) / 1e9:.2f} B parameters" + (f", tensor parallel on {tp} GPUs" if tp > 1 else ""),
                  "", f"| weights{per} | bytes |", "|---|---|"]
-        lines += [f"| {d} | {self.weight_bytes(d) / GiB:.2f} GiB |" for d in ("bf16", "fp8")]
+        shown = dict.fromkeys(("bf16", "fp8", weight_dtype))
+        lines += [f"| {d} | {self.weight_bytes(d) / GiB:.2f} GiB |" for d in shown]
         lines += ["", f"KV cache at {self.context} tokens per sequence; {self.memory / GiB:.0f} GiB x "
                       f"{self.utilization} minus {weight_dtype} weights{per}:", "",
                   f"| KV dtype | bytes/token{per} | per sequence{per} | sequences that fit |", "|---|---|---|---|"]
@@ -171,6 +184,14 @@ class Plan:
         return "\n".join(lines)
 
 
+def _quantized_refused(plan: Plan) -> bool:
+    try:
+        plan.weight_bytes("int8")
+    except ValueError:
+        return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", default="80GiB", help="memory of one accelerator")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split across")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--weight-dtype", choices=sorted(WEIGHT_BYTES), default="bf16")
+    parser.add_argument("--weight-dtype", choices=sorted({*WEIGHT_BYTES, *QUANTIZED_WEIGHTS}), default="bf16",
+                        help="int8 / int4 / fp8: the layout of `tokenmill serve --quantization` (dense models: linear "
+                             "layers quantized, the rest bf16)")
+    parser.add_argument("--quantization-group-size", type=int, default=128, help="inputs per scale of int4")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     if args.model in PRESETS:
@@ -188,16 +212,17 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.model) as fh:
             config = json.load(fh)
     plan = Plan(args.model, config, args.context, parse_byte_size(args.memory), args.gpu_memory_utilization,
-                args.tensor_parallel_size)
+                args.tensor_parallel_size, args.quantization_group_size)
     try:
-        plan.weight_bytes("bf16")
+        plan.weight_bytes(args.weight_dtype)
     except ValueError as exc:
         parser.error(str(exc))
     if args.json:
         print(json.dumps({
             "attention": attention_kind(config), "parameters": num_parameters(config),
             "tensor_parallel_size": args.tensor_parallel_size,
-            "weight_bytes": {d: plan.weight_bytes(d) for d in WEIGHT_BYTES},
+            "weight_bytes": {d: plan.weight_bytes(d) for d in WEIGHT_BYTES | dict.fromkeys(QUANTIZED_WEIGHTS)
+                             if d not in ("int8", "int4") or d == args.weight_dtype or not _quantized_refused(plan)},
             "kv_bytes_per_token": {d: plan.kv_bytes_per_token(d) for d in ELEMENT_BYTES},
             "mha_equivalent_bytes_per_token": {d: mha_equivalent_bytes_per_token(config, d) for d in ELEMENT_BYTES},
             "sequences_that_fit": {d: plan.sequences_that_fit(args.weight_dtype, d) for d in ELEMENT_BYTES}}))

@@ -78,7 +78,8 @@ class EngineCore:
         self.info = EngineInfo(
             model_name=config.served_model_name or checkpoint.name, max_model_len=loaded.max_model_len,
             vocab_size=vocab_size, kv_capacity_tokens=kv.capacity_tokens, kv_bytes_per_token=spec.bytes_per_token,
-            device=str(loaded.device), dtype=self.settled.dtype, eos_token_ids=eos)
+            device=str(loaded.device), dtype=self.settled.dtype, eos_token_ids=eos,
+            weight_bytes=loaded.model.weight_bytes())
         log.info("engine ready: model=%s device=%s dtype=%s kv=%s blocks=%d (%d tokens, %d bytes/token)",
                  self.info.model_name, loaded.device, self.settled.dtype, spec.dtype, kv.pool.num_blocks,
                  kv.capacity_tokens, spec.bytes_per_token)

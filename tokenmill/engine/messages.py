@@ -92,6 +92,8 @@ class EngineInfo:
     device: str
     dtype: str
     eos_token_ids: list[int] = field(default_factory=list)
+    # Bytes of the model's weights as held (each parameter and quantized buffer once; oneDNN's packed copies aside).
+    weight_bytes: int = 0
 
 
 class ContextLengthError(ValueError):

@@ -43,6 +43,8 @@ class _EngineCollector(Collector):
             ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", stats.kv_cache_usage),
             ("admission_saturation", "Promised tokens / admission limit; at 1 new requests get 429.",
              self.admission.saturation),
+            ("model_weight_bytes", "Bytes of the model's weights as the engine holds them (quantized layers at "
+             "their format's size).", self.client.info.weight_bytes if self.client.info else 0),
             # Absent with --no-engine-process (the engine then shares process_resident_memory_bytes).
             *([("engine_process_resident_memory_bytes", "Resident memory of the engine process.",
                 stats.resident_memory_bytes)] if self.client.engine_in_own_process else []),
