@@ -54,17 +54,25 @@ def _step() -> StepContext:
     return step
 
 
-@torch.library.custom_op("tokenmill::gqa_attention", mutates_args=())
-def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sm_scale: float,
-                  backend: str) -> torch.Tensor:
+def _gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sm_scale: float,
+                   backend: str) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] (roped) -> [T, Hq, D]; writes k/v into layer ``layer``'s cache first."""
     step = _step()
     data, scales = step.data[layer], step.scales[layer]
-    write_kv(data, scales, torch.cat([k, v], dim=1), step.meta.slot_mapping, backend=backend)  # K heads, then V
+    write_kv(data, scales, torch.cat([k, v], dim=1), step.meta.slot_mapping, backend=backend,
+             padded=step.meta.derived("padded_slots", lambda: bool((step.meta.slot_mapping < 0).any())))
     return paged_attention(q, k, v, data, scales, step.meta, sm_scale, backend=backend)
 
 
-@gqa_attention.register_fake
+# Registered through torch.library.Library, not torch.library.custom_op: custom_op's Python wrapper costs ~35 us more
+# per call (kernels/cpu_linear.py measured it), once per layer and step. CompositeExplicitAutograd: every device.
+_library = torch.library.Library("tokenmill", "FRAGMENT")
+_library.define("gqa_attention(Tensor q, Tensor k, Tensor v, int layer, float sm_scale, str backend) -> Tensor")
+_library.impl("gqa_attention", _gqa_attention, "CompositeExplicitAutograd")
+gqa_attention = torch.ops.tokenmill.gqa_attention
+
+
+@torch.library.register_fake("tokenmill::gqa_attention")
 def _(q, k, v, layer, sm_scale, backend):
     return torch.empty_like(q)
 

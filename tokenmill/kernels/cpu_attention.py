@@ -78,7 +78,8 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
 def paged_attention_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
                         scales: torch.Tensor | None, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
     segments = meta.derived("cpu_segments", lambda: _segments(meta))
-    from_cache, lse = cache_attention(q, data, scales, meta.block_tables, segments, sm_scale) \
+    tables = meta.derived("cpu_block_tables", lambda: meta.block_tables.long().contiguous())
+    from_cache, lse = cache_attention(q, data, scales, tables, segments, sm_scale) \
         if segments.shape[1] else (None, None)
     if not meta.prefill_indices:
         return from_cache.to(q.dtype)

@@ -42,12 +42,13 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dty
 
 
 def write_kv_reference(data: torch.Tensor, scales: torch.Tensor | None, new: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+                       slot_mapping: torch.Tensor, padded: bool | None = None) -> None:
     """Scatter ``new`` [T, num_slots, slot_dim] into the cache at flat slots ``slot_mapping`` [T]; a negative slot
-    (a padding row of a CUDA-graph batch) writes nothing."""
+    (a padding row of a CUDA-graph batch) writes nothing. ``padded``: whether any slot is negative, where the caller
+    knows it (once per step); None: looked up here."""
     num_slots, slot_dim = data.shape[-2:]
     flat = data.view(-1, num_slots, slot_dim)
-    if (slot_mapping < 0).any():
+    if padded if padded is not None else bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         new, slot_mapping = new[keep], slot_mapping[keep]
     if scales is None:
@@ -59,11 +60,11 @@ def write_kv_reference(data: torch.Tensor, scales: torch.Tensor | None, new: tor
 
 
 def write_kv(data: torch.Tensor, scales: torch.Tensor | None, new: torch.Tensor, slot_mapping: torch.Tensor,
-             backend: str = "torch") -> None:
+             backend: str = "torch", padded: bool | None = None) -> None:
     """Dispatch: ``backend`` is a resolved kernel backend, "triton" or "torch" (kernels/backend.py)."""
     if backend == "triton":
         from tokenmill.kernels.triton.kv_write import write_kv_triton
 
         write_kv_triton(data, scales, new, slot_mapping)
     else:
-        write_kv_reference(data, scales, new, slot_mapping)
+        write_kv_reference(data, scales, new, slot_mapping, padded)
