@@ -73,6 +73,9 @@ def servers(args) -> dict[str, dict]:
     gguf = str(default_model_path())
     found = {"tokenmill": {"port": 8001, "cmd": [sys.executable, "-m", "tokenmill", "serve", "--port", "8001"],
                            "env": {}, "startup": 600}}
+    if args.full_precision:
+        found["tokenmill-full-precision"] = {"port": 8005, "env": {}, "startup": 600, "cmd": [
+            sys.executable, "-m", "tokenmill", "serve", "--port", "8005", "--quantization", "none"]}
     if args.tokenmill_before:
         found["tokenmill-before"] = {"port": 8004, "startup": 600, "env": {"PYTHONPATH": args.tokenmill_before},
                                      "cwd": args.tokenmill_before,  # the working directory comes first on sys.path
@@ -162,6 +165,8 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--tokenmill-before", help="an earlier tokenmill checkout to serve beside this one")
+    parser.add_argument("--full-precision", action="store_true",
+                        help="also serve this tokenmill with --quantization none (the GGUF dequantized at load)")
     parser.add_argument("--work", default="/tmp/tokenmill-compare")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare-cpu.md"),
                         help="Markdown table; the raw JSON goes beside it (.json)")

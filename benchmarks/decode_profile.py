@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--quantization", default="auto", help="auto | none | int8 | int4 | fp8")
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default=None, help="default: benchmarks/results/decode-profile-<mode>.json")
@@ -66,7 +67,7 @@ def main() -> None:
     results = []
     for batch in (int(b) for b in args.batch.split(",")):
         llm = LLM(enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype, num_threads=args.num_threads,
-                  max_num_seqs=max(batch, 1), kv_cache_memory="1GiB")
+                  max_num_seqs=max(batch, 1), kv_cache_memory="1GiB", quantization=args.quantization)
         steady_decode(llm, batch, args.prompt_len)
         best, median = step_ms(llm)
         ops = profile(llm, args.profile_steps, args.top)
