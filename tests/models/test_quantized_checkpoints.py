@@ -1,9 +1,9 @@
 """Quantized checkpoints as shipped (compressed-tensors, AWQ, GPTQ), loaded without a full-precision copy: each is
 written from a tiny random Llama by the format's own published layout (compressed-tensors' own packer), and served
-greedy tokens and logits must equal transformers' on the same weights: the compressed-tensors checkpoint loaded by
-transformers itself (it decompresses with the compressed-tensors library), the AWQ and GPTQ ones (transformers needs
-autoawq / gptqmodel for them) as a dense checkpoint of the weights the test quantized them from, dequantized by each
-format's formula. The engine runs the PyTorch reference here (weight-only); the C kernel is held to that reference
+greedy tokens and logits must equal transformers' on the same weights: the compressed-tensors W4A16 and FP8
+checkpoints loaded by transformers itself (it decompresses with the compressed-tensors library), the others (its
+int8 one did not load in this transformers; AWQ and GPTQ need autoawq / gptqmodel) as a dense checkpoint of the
+weights the test quantized them from, dequantized by each format's formula. The engine runs the PyTorch reference here (weight-only); the C kernel is held to that reference
 in tests/kernels/test_quant_linear.py."""
 
 import json
@@ -62,6 +62,12 @@ def quantized_state(hf_model, method: str):
         if not (name.endswith(".weight") and module.rpartition(".")[2] in LINEARS):
             out[name] = w
             continue
+        if method == "ct-w8a16":  # int8 per channel, symmetric
+            scale = (w.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8).half().float()
+            q = (w / scale).round().clamp(-127, 127).to(torch.int8)
+            out[f"{module}.weight"], out[f"{module}.weight_scale"] = q, scale.half()
+            dense[name] = q.float() * scale
+            continue
         if method == "ct-fp8":
             scale = (w.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-8)
             q = (w / scale).to(torch.float8_e4m3fn)
@@ -97,6 +103,11 @@ CONFIGS = {
                "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
                    "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}}},
                "ignore": ["lm_head"]},
+    "ct-w8a16": {"quant_method": "compressed-tensors", "format": "int-quantized",
+                 "quantization_status": "compressed",
+                 "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                     "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}},
+                 "ignore": ["lm_head"]},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True},
 }
@@ -117,7 +128,7 @@ def write_quantized(path, smollm_llm, method):
 @pytest.mark.parametrize("method", list(CONFIGS))
 def test_quantized_checkpoint_serves_like_transformers(tmp_path, smollm_llm, method):
     hf = write_quantized(tmp_path, smollm_llm, method)
-    if method.startswith("ct-"):  # transformers reads it itself, through compressed-tensors
+    if method in ("ct-w4a16", "ct-fp8"):  # transformers reads these itself, through compressed-tensors
         import transformers
 
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()

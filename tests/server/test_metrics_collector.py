@@ -10,8 +10,8 @@ from tokenmill.server.admission import Admission
 from tokenmill.server.metrics import Metrics
 
 
-def scrape(stats: EngineStats) -> dict[tuple, float]:
-    client = SimpleNamespace(stats=stats, engine_in_own_process=False)
+def scrape(stats: EngineStats, weight_bytes: int = 0) -> dict[tuple, float]:
+    client = SimpleNamespace(stats=stats, engine_in_own_process=False, info=SimpleNamespace(weight_bytes=weight_bytes))
     text = generate_latest(Metrics(client, Admission(100), "m").registry).decode()
     return {(s.name, s.labels.get("position")): s.value for f in text_string_to_metric_families(text)
             for s in f.samples}
@@ -34,3 +34,7 @@ def test_speculative_counters_are_zero_before_drafting():
     values = scrape(EngineStats())
     assert values[("tokenmill:spec_decode_num_draft_tokens_total", None)] == 0
     assert not any(name.endswith("_per_pos_total") for name, _ in values)  # no position drafted yet
+
+
+def test_weight_bytes_gauge_reads_the_engine_info():
+    assert scrape(EngineStats(), weight_bytes=123_456)[("tokenmill:model_weight_bytes", None)] == 123_456

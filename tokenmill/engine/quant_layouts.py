@@ -66,7 +66,7 @@ def choose_quantization(config: EngineConfig, model_config: ModelConfig, meta: D
     if not candidates:
         return ()
     if size > 1:
-        if at_load:
+        if at_load or mode == "checkpoint":
             raise ConfigError(f"--quantization {mode} is not built for tensor-parallel ranks yet")
         return tuple((out, inp, fmt, 1) for out, inp, fmt in sorted(candidates))
     if at_load or mode == "checkpoint":

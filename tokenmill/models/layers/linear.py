@@ -58,6 +58,11 @@ class QuantLinear(nn.Module):
         """Bind the CPU kernel to this layer's buffers (after loading, with the "cpu" kernel backend); moving the
         buffers afterwards needs another call."""
         use = self.kernels.backend == "cpu" and self.qweight.device.type == "cpu" and library() is not None
+        if use and self.fmt.kind == "int4" and self.fmt.group(self.in_features) == 32:
+            # A scale and a min every 32 inputs: widening them from fp16 on every block cost the kernel 10-18% at one
+            # row (benchmarks/results/quant-kernel.json); float32 copies cost a bit a weight more (held as the
+            # buffers, so weight_bytes counts them). Exact: every fp16 value is a float32 one.
+            self.scales, self.mins = self.scales.float(), self.mins.float()
         self._cpu_kernel = CPUQuantMatmul(self.fmt, self.qweight, self.scales, self.mins, self.bias) if use else None
 
     def run(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""The quantized linear kernels on this CPU, at SmolLM2's shapes, against the alternatives: tokenmill's C kernel
+(kernels/cpu/quant_linear.c: int4 / int8 weights x int8 activations; int4 with fp16 and with float32 scales),
+PyTorch's own int4 CPU matmul (``_weight_int4pack_mm_for_cpu``: bf16 activations, (q - 8) * scale + zero) and int8
+weight-only matmul (``_weight_int8pack_mm``, per channel), and the dense float32 weight packed for oneDNN (what
+tokenmill runs otherwise). Each case walks as many weight copies as the model has layers of that shape, up to 96 MB
+(cold, as a decode step reads them); fastest of interleaved rounds.
+
+    python benchmarks/quant_kernel.py [--rows 1,4,16,64] [--threads 2] [--out benchmarks/results/quant-kernel.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill.kernels.cpu_linear import pack_weight, packed_linear
+from tokenmill.kernels.quant_linear import CPUQuantMatmul, WeightFormat, quantize
+
+SHAPES = {"qkv": (960, 576, 30), "o": (576, 576, 30), "gate_up": (3072, 576, 30), "down": (576, 1536, 30),
+          "lm_head": (49152, 576, 1)}
+COLD_BYTES = 96 * 2**20
+
+
+def best_of(works: dict, rounds: int = 7, budget_s: float = 2.0) -> dict[str, float]:
+    best = {name: math.inf for name in works}
+    start = time.perf_counter()
+    for r in range(rounds):
+        for name, work in (works.items() if r % 2 == 0 else reversed(works.items())):
+            t0 = time.perf_counter()
+            work()
+            best[name] = min(best[name], time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s and r >= 2:
+            break
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,4,16,64")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results/quant-kernel.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    int4, int8 = WeightFormat.parse("int4-g32"), WeightFormat.parse("int8-g32")
+    results = []
+    with torch.inference_mode():
+        for name, (out, inp, count) in SHAPES.items():
+            copies = max(1, min(count, COLD_BYTES // (out * inp * 4)))
+            dense = [torch.randn(out, inp) / math.sqrt(inp) for _ in range(copies)]
+            packed = [pack_weight(w) for w in dense]
+            q4 = [quantize(w, int4) for w in dense]
+            q8 = [quantize(w, int8) for w in dense]
+            k4 = [CPUQuantMatmul(int4, q["qweight"], q["scales"], q["mins"]) for q in q4]
+            k4f = [CPUQuantMatmul(int4, q["qweight"], q["scales"].float(), q["mins"].float()) for q in q4]
+            k8 = [CPUQuantMatmul(int8, q["qweight"], q["scales"], None) for q in q8]
+            codes = [torch.randint(0, 16, (out, inp), dtype=torch.int32) for _ in range(copies)]
+            torch_int4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(c, 1) for c in codes]
+            sz = torch.randn(inp // 32, out, 2).bfloat16()
+            w8 = [torch.randint(-127, 127, (out, inp), dtype=torch.int8) for _ in range(copies)]
+            s8 = torch.randn(out)
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(rows, inp)
+                xb = x.bfloat16()
+                works = {
+                    "dense fp32 packed": lambda: [packed_linear(x, p, None) for p in packed],
+                    "tokenmill int4-g32 (fp16 scales)": lambda: [k(x) for k in k4],
+                    "tokenmill int4-g32 (fp32 scales)": lambda: [k(x) for k in k4f],
+                    "tokenmill int8-g32": lambda: [k(x) for k in k8],
+                    "torch int4 (bf16 activations)": lambda: [
+                        torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, 32, sz) for w in torch_int4],
+                    "torch int8 weight-only (per channel)": lambda: [
+                        torch.ops.aten._weight_int8pack_mm(x, w, s8) for w in w8],
+                }
+                for work in works.values():
+                    work()
+                best = best_of(works)
+                row = {"shape": name, "out": out, "in": inp, "copies": copies, "rows": rows,
+                       "us_per_call": {k: v / copies * 1e6 for k, v in best.items()}}
+                results.append(row)
+                print(name, rows, ", ".join(f"{k}: {v:.1f} us" for k, v in row["us_per_call"].items()))
+    Path(args.out).write_text(json.dumps({
+        "command": f"python benchmarks/quant_kernel.py --rows {args.rows} --threads {args.threads}",
+        "torch": torch.__version__, "results": results}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
