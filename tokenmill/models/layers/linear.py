@@ -32,8 +32,9 @@ class LinearPlan(NamedTuple):
 
 
 class QuantLinear(nn.Module):
-    """out = x @ W^T + bias with W in ``fmt``. Invariant: ``weight`` exists exactly when ``dense_from_rows`` is set
-    (the dense copy of the same W, or of the checkpoint's full-precision weight it was quantized from)."""
+    """out = x @ W^T + bias with W in ``fmt``. Invariant: a dense copy of W (the checkpoint's full-precision weight)
+    exists exactly when ``dense_from_rows`` is set: in ``weight`` as loaded, and in ``dense`` once packed for oneDNN
+    (``weight`` then None where the packed copy is all that is kept)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fmt: WeightFormat,
                  dense_from_rows: int | None = None, quantize_at_load: bool = False, dtype: torch.dtype | None = None):
