@@ -87,10 +87,6 @@ class WeightFormat:
             tensors["mins"] = ((out_features, groups), self.min_dtype)
         return tensors
 
-    def bytes_per_weight(self, in_features: int) -> float:
-        per_group = (self.scale_dtype.itemsize + (self.min_dtype.itemsize if self.has_min else 0))
-        return (0.5 if self.kind == "int4" else 1.0) + per_group / self.group(in_features)
-
 
 # --- the reference
 
