@@ -18,6 +18,7 @@ from typing import Iterator
 
 import torch
 
+from tokenmill.kernels.attention_features import AttentionFeatures
 from tokenmill.kernels.kv_write import write_kv
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kernels.mla import mla_attention
@@ -54,26 +55,29 @@ def _step() -> StepContext:
     return step
 
 
-def _gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sm_scale: float,
-                   backend: str) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] (roped) -> [T, Hq, D]; writes k/v into layer ``layer``'s cache first."""
+def _gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sm_scale: float, backend: str,
+                   sinks: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] (roped) -> [T, Hq, D]; writes k/v into layer ``layer``'s cache first.
+    ``sinks``, ``window``, ``softcap``: kernels/attention_features.py."""
     step = _step()
     data, scales = step.data[layer], step.scales[layer]
     write_kv(data, scales, torch.cat([k, v], dim=1), step.meta.slot_mapping, backend=backend,
              padded=step.meta.derived("padded_slots", lambda: bool((step.meta.slot_mapping < 0).any())))
-    return paged_attention(q, k, v, data, scales, step.meta, sm_scale, backend=backend)
+    return paged_attention(q, k, v, data, scales, step.meta, sm_scale, backend=backend,
+                           features=AttentionFeatures(window, softcap, sinks))
 
 
 # Registered through torch.library.Library, not torch.library.custom_op: custom_op's Python wrapper costs ~35 us more
 # per call (kernels/cpu_linear.py measured it), once per layer and step. CompositeExplicitAutograd: every device.
 _library = torch.library.Library("tokenmill", "FRAGMENT")
-_library.define("gqa_attention(Tensor q, Tensor k, Tensor v, int layer, float sm_scale, str backend) -> Tensor")
+_library.define("gqa_attention(Tensor q, Tensor k, Tensor v, int layer, float sm_scale, str backend, "
+                "Tensor? sinks=None, int window=0, float softcap=0.0) -> Tensor")
 _library.impl("gqa_attention", _gqa_attention, "CompositeExplicitAutograd")
 gqa_attention = torch.ops.tokenmill.gqa_attention
 
 
 @torch.library.register_fake("tokenmill::gqa_attention")
-def _(q, k, v, layer, sm_scale, backend):
+def _(q, k, v, layer, sm_scale, backend, sinks=None, window=0, softcap=0.0):
     return torch.empty_like(q)
 
 

@@ -7,23 +7,31 @@ Same contract as kernels/paged_attention.py's reference (shapes, null block, wha
 - a prefill chunk attends its cached prefix from the cache (a segment of all its queries, no mask needed: every
   query sees the whole prefix) and its own tokens, unquantized from ``k_new``/``v_new``, through PyTorch's flash
   SDPA (causal); the two partial softmaxes are merged by their log-sum-exps.
+
+Attention features (kernels/attention_features.py): a decode's window is where its segment starts in the cache,
+soft-capping is applied to every score in the kernel, and sinks scale the finished rows by ``sigmoid(lse - sink)``.
+A prefill chunk of a layer with any feature runs the reference's path (its queries' windows start at different
+places, and flash SDPA caps nothing); decode is what runs every step.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tokenmill.kernels.attention_features import PLAIN, AttentionFeatures, apply_sinks
 from tokenmill.kernels.cpu_native import library
 from tokenmill.kernels.metadata import AttentionMetadata
+from tokenmill.kernels.paged_attention import prefill_chunk_attention
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 
 
 def cache_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor,
-                    segments: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    segments: torch.Tensor, sm_scale: float, softcap: float = 0.0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, D] over the cache -> (out [N, Hq, D] float32, lse [N, Hq] float32) for the rows the segments
-    cover (others undefined). ``segments`` [4, S] int32: block-table row, first query row, query count, cache
-    tokens seen."""
+    cover (others undefined). ``segments`` [5, S] int32: block-table row, first query row, query count, first
+    cache token seen, cache tokens (end)."""
     lib = library()
     if lib is None:
         raise RuntimeError("the CPU kernels are not built (kernels/cpu_native.py logged why)")
@@ -39,21 +47,24 @@ def cache_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | 
         q32.data_ptr(), out.data_ptr(), lse.data_ptr(), data.data_ptr(),
         scales.data_ptr() if scales is not None else None, KINDS[data.dtype], tables.data_ptr(), tables.stride(0),
         segments[0].data_ptr(), segments[1].data_ptr(), segments[2].data_ptr(), segments[3].data_ptr(),
-        segments.shape[1], hq, hkv, dim, data.shape[1], sm_scale, torch.get_num_threads())
+        segments[4].data_ptr(), segments.shape[1], hq, hkv, dim, data.shape[1], sm_scale, softcap,
+        torch.get_num_threads())
     if code != 0:
         raise MemoryError("CPU paged attention: scratch allocation failed")
     return out, lse
 
 
-def _segments(meta: AttentionMetadata) -> torch.Tensor:
-    """[4, S] int32 (built once per step): every decode, and every prefill chunk with a cached prefix."""
+def _segments(meta: AttentionMetadata, window: int, with_prefills: bool) -> torch.Tensor:
+    """[5, S] int32 (built once per step and window): every decode (from its window's start), and, when
+    ``with_prefills``, every prefill chunk with a cached prefix."""
     rows, decodes = [], set(meta.decode_indices)
     for i in range(len(meta.seq_lens)):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        kv = meta.seq_lens[i] if i in decodes else meta.seq_lens[i] - (end - start)
-        if kv > 0:
-            rows.append((i, start, end - start, kv))
-    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).t().contiguous()
+        if i in decodes:
+            rows.append((i, start, 1, max(0, meta.seq_lens[i] - window) if window else 0, meta.seq_lens[i]))
+        elif with_prefills and meta.seq_lens[i] > end - start:
+            rows.append((i, start, end - start, 0, meta.seq_lens[i] - (end - start)))
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 5).t().contiguous()
 
 
 def own_tokens_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
@@ -76,14 +87,24 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
 
 
 def paged_attention_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
-                        scales: torch.Tensor | None, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
-    segments = meta.derived("cpu_segments", lambda: _segments(meta))
+                        scales: torch.Tensor | None, meta: AttentionMetadata, sm_scale: float,
+                        features: AttentionFeatures = PLAIN) -> torch.Tensor:
+    plain = features.plain
+    segments = meta.derived(("cpu_segments", features.window, plain),
+                            lambda: _segments(meta, features.window, with_prefills=plain))
     tables = meta.derived("cpu_block_tables", lambda: meta.block_tables.long().contiguous())
-    from_cache, lse = cache_attention(q, data, scales, tables, segments, sm_scale) \
+    from_cache, lse = cache_attention(q, data, scales, tables, segments, sm_scale, features.softcap) \
         if segments.shape[1] else (None, None)
+    if from_cache is not None and features.sinks is not None:  # only decodes are in the segments
+        from_cache = apply_sinks(from_cache, lse, features.sinks)
     if not meta.prefill_indices:
         return from_cache.to(q.dtype)
     out = torch.empty_like(q) if from_cache is None else from_cache.to(q.dtype)
+    if not plain:
+        for i in meta.prefill_indices:
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[start:end] = prefill_chunk_attention(i, q, k_new, v_new, data, scales, meta, sm_scale, features)
+        return out
     for i in meta.prefill_indices:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         own, own_lse = own_tokens_attention(q[start:end], k_new[start:end], v_new[start:end], sm_scale)

@@ -6,9 +6,11 @@
 // Layout (kvcache/spec.py): cache[num_blocks + 1][block_size][2 * Hkv][D], K heads then V heads per token;
 // fp8 caches carry scales[num_blocks + 1][block_size][2 * Hkv] (value = e4m3(code) * scale).
 // Work is split into segments: segment s is q_len[s] consecutive queries (rows q_start[s].. of q [N][Hq][D], float32)
-// of the request whose block-table row is req[s], each seeing the first kv_len[s] tokens of that request's cache.
+// of the request whose block-table row is req[s], each seeing tokens kv_first[s] .. kv_len[s] - 1 of that request's
+// cache (kv_first > 0: a sliding window's start).
 // A decode is a segment of one query over its whole sequence; a prefill chunk is a segment of its queries over its
 // cached prefix (its own tokens are attended elsewhere and merged through ``lse``).
+// softcap > 0 caps every scaled score to softcap * tanh(score / softcap) (attention logit soft-capping).
 // Output: out [N][Hq][D] float32 and lse [N][Hq] (natural log of the softmax denominator, scores scaled); a query
 // that sees no token gets out = 0, lse = -inf.
 // Online softmax over the cache one block at a time: each block's K/V are widened to float32 once per
@@ -75,7 +77,8 @@ static inline void widen(float *dst, const void *src, int64_t offset, int n, int
 // stays in registers.
 static inline __attribute__((always_inline)) void row_over_block(
         const float *restrict qr, float *restrict a, const float *restrict kbuf, const float *restrict vbuf, int n,
-        int stride, const int D, float sm_scale, float *restrict m, float *restrict l, float *restrict scores) {
+        int stride, const int D, float sm_scale, float softcap, float *restrict m, float *restrict l,
+        float *restrict scores) {
     float block_max = NEG_BIG;
     for (int t = 0; t < n; t++) {
         const float *restrict k = kbuf + (int64_t)t * stride;
@@ -83,6 +86,7 @@ static inline __attribute__((always_inline)) void row_over_block(
 #pragma omp simd reduction(+ : s)
         for (int d = 0; d < D; d++) s += qr[d] * k[d];
         s *= sm_scale;
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
         scores[t] = s;
         block_max = s > block_max ? s : block_max;
     }
@@ -109,11 +113,12 @@ static inline __attribute__((always_inline)) void row_over_block(
     for (int d = 0; d < D; d++) a[d] = acc[d];
 }
 
-// KV heads h0 .. h0 + hc - 1 of one tile of queries over the first kv_len tokens of a request's cache. Rows are
-// (query, head, group member): r = (qi * hc + hh) * G + g.
+// KV heads h0 .. h0 + hc - 1 of one tile of queries over tokens kv_first .. kv_len - 1 of a request's cache. Rows
+// are (query, head, group member): r = (qi * hc + hh) * G + g.
 static void attend_tile(const float *q, float *out, float *lse, const void *cache, const float *scales, int kind,
-                        const int64_t *blocks, int kv_len, int q_first, int q_count, int h0, int hc, int Hq, int Hkv,
-                        int D, int block_size, float sm_scale, float *kbuf, float *vbuf, float *acc, float *scores) {
+                        const int64_t *blocks, int kv_first, int kv_len, int q_first, int q_count, int h0, int hc,
+                        int Hq, int Hkv, int D, int block_size, float sm_scale, float softcap, float *kbuf,
+                        float *vbuf, float *acc, float *scores) {
     const int G = Hq / Hkv, rows = q_count * hc * G, slots = 2 * Hkv;
     float m[TILE_ROWS], l[TILE_ROWS];
     const float *qrow[TILE_ROWS];
@@ -127,11 +132,12 @@ static void attend_tile(const float *q, float *out, float *lse, const void *cach
         memset(acc + (int64_t)r * D, 0, (size_t)D * sizeof(float));
     }
     const int width = hc * D;  // floats of one token's K (or V) heads in the buffers
-    for (int start = 0; start < kv_len; start += block_size) {
-        const int n = kv_len - start < block_size ? kv_len - start : block_size;
+    for (int start = kv_first - kv_first % block_size; start < kv_len; start += block_size) {
+        const int skip = kv_first > start ? kv_first - start : 0;  // the window starts inside this block
+        const int n = (kv_len - start < block_size ? kv_len - start : block_size) - skip;
         const int64_t block = blocks[start / block_size];
         for (int t = 0; t < n; t++) {
-            const int64_t token = block * block_size + t;
+            const int64_t token = block * block_size + skip + t;
             if (scales) {  // one scale per token and head: widen head by head
                 for (int hh = 0; hh < hc; hh++) {
                     const int64_t k_slot = token * slots + h0 + hh, v_slot = k_slot + Hkv;
@@ -148,11 +154,11 @@ static void attend_tile(const float *q, float *out, float *lse, const void *cach
             float *a = acc + (int64_t)r * D;
             const float *k = kbuf + hh * D, *v = vbuf + hh * D;
             if (D == 64)
-                row_over_block(qrow[r], a, k, v, n, width, 64, sm_scale, m + r, l + r, scores);
+                row_over_block(qrow[r], a, k, v, n, width, 64, sm_scale, softcap, m + r, l + r, scores);
             else if (D == 128)
-                row_over_block(qrow[r], a, k, v, n, width, 128, sm_scale, m + r, l + r, scores);
+                row_over_block(qrow[r], a, k, v, n, width, 128, sm_scale, softcap, m + r, l + r, scores);
             else
-                row_over_block(qrow[r], a, k, v, n, width, D, sm_scale, m + r, l + r, scores);
+                row_over_block(qrow[r], a, k, v, n, width, D, sm_scale, softcap, m + r, l + r, scores);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -165,8 +171,8 @@ static void attend_tile(const float *q, float *out, float *lse, const void *cach
 // Returns 0, or -1 when a thread's scratch could not be allocated (then some rows are left unwritten).
 int tm_paged_attention(const float *q, float *out, float *lse, const void *cache, const float *scales, int kind,
                        const int64_t *block_tables, int64_t table_stride, const int32_t *req, const int32_t *q_start,
-                       const int32_t *q_len, const int32_t *kv_len, int num_segments, int Hq, int Hkv, int D,
-                       int block_size, float sm_scale, int threads) {
+                       const int32_t *q_len, const int32_t *kv_first, const int32_t *kv_len, int num_segments, int Hq,
+                       int Hkv, int D, int block_size, float sm_scale, float softcap, int threads) {
     const int G = Hq / Hkv;
     // A work item takes every KV head of its queries (one sweep over each token's contiguous K/V heads) when there
     // are enough segments to keep the threads busy; else one head (more, smaller items).
@@ -202,9 +208,9 @@ int tm_paged_attention(const float *q, float *out, float *lse, const void *cache
             const int q0 = tile * tile_queries;
             const int count = q_len[s] - q0 < tile_queries ? q_len[s] - q0 : tile_queries;
             float *kbuf = scratch, *vbuf = kbuf + block_size * width, *acc = vbuf + block_size * width;
-            attend_tile(q, out, lse, cache, scales, kind, block_tables + (int64_t)req[s] * table_stride, kv_len[s],
-                        q_start[s] + q0, count, h0, hc, Hq, Hkv, D, block_size, sm_scale, kbuf, vbuf, acc,
-                        acc + (size_t)TILE_ROWS * D);
+            attend_tile(q, out, lse, cache, scales, kind, block_tables + (int64_t)req[s] * table_stride,
+                        kv_first[s], kv_len[s], q_start[s] + q0, count, h0, hc, Hq, Hkv, D, block_size, sm_scale,
+                        softcap, kbuf, vbuf, acc, acc + (size_t)TILE_ROWS * D);
         }
         free(scratch);
     }

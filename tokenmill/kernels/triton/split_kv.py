@@ -17,10 +17,12 @@ from tokenmill.kernels.triton.common import next_pow2
 
 @triton.jit
 def online_softmax_step(s, m_i, l_i, acc):
-    """One tile of the online softmax: s [M, N] scores (masked = -inf) -> (p, m_new, l_new, acc rescaled)."""
+    """One tile of the online softmax: s [M, N] scores (masked = -inf) -> (p, m_new, l_new, acc rescaled). A row
+    that has seen only masked scores so far (a sliding window not yet reached) keeps m = -inf, l = 0, acc = 0."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
     return p, m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None]
 
 
@@ -44,27 +46,34 @@ def store_split(o_ptr, lse_ptr, rows, acc, m_i, l_i, empty, row_mask, offs_d, d_
 
 
 @triton.jit
-def _merge_splits_kernel(o_part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, HEADS: tl.constexpr,
+def _merge_splits_kernel(o_part_ptr, lse_ptr, out_ptr, sink_ptr, stride_ob, stride_oh, HEADS: tl.constexpr,
                          DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     rows = (b * HEADS + h) * NUM_SPLITS + offs_s
     lse = tl.load(lse_ptr + rows, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-    weights = tl.exp(lse - tl.max(lse, axis=0))  # split 0 is never empty, so the max is finite
+    top = tl.max(lse, axis=0)  # split 0 is never empty, so the max is finite
+    weights = tl.exp(lse - top)
     parts = tl.load(o_part_ptr + rows[:, None] * DIM + offs_d[None, :],
                     mask=(offs_s < NUM_SPLITS)[:, None] & (offs_d < DIM)[None, :], other=0.0)
-    out = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    denominator = tl.sum(weights, axis=0)
+    if SINKS:  # the head's sink logit joins the denominator only
+        denominator += tl.exp(tl.load(sink_ptr + h) - top)
+    out = tl.sum(parts * weights[:, None], axis=0) / denominator
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < DIM)
 
 
-def merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
-    """o_part [B, H, S, D] float32 normalized partial outputs, lse [B, H, S] -> out [B, H, D] (any float dtype)."""
+def merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None = None
+                 ) -> None:
+    """o_part [B, H, S, D] float32 normalized partial outputs, lse [B, H, S] -> out [B, H, D] (any float dtype);
+    ``sinks`` [H] float32: attention sinks (kernels/attention_features.py)."""
     batch, heads, splits, dim = o_part.shape
-    _merge_splits_kernel[(batch, heads)](o_part, lse, out, out.stride(0), out.stride(1), HEADS=heads, DIM=dim,
-                                         NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), BLOCK_D=next_pow2(dim))
+    _merge_splits_kernel[(batch, heads)](o_part, lse, out, sinks if sinks is not None else lse, out.stride(0),
+                                         out.stride(1), HEADS=heads, DIM=dim, NUM_SPLITS=splits,
+                                         BLOCK_S=next_pow2(splits), BLOCK_D=next_pow2(dim), SINKS=sinks is not None)
 
 
 def decode_num_splits(programs_per_split: int, max_len: int, device: torch.device) -> int:
