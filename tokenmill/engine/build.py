@@ -153,7 +153,7 @@ def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, conf
             model.use_kernels(kernels)  # the quantized layers too
         # Materialized on the device in the compute dtype; each checkpoint tensor is converted as it is copied in.
         model.cast_parameters(settled.torch_dtype).to_empty(device=device)
-        model.rotary.to(device)
+        model.move_rotary(device)
         model.load_weights(checkpoint_weights(checkpoint, model, model_config))
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"cannot build the model from {checkpoint.path}: {exc}") from None

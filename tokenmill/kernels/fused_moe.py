@@ -5,6 +5,10 @@ Shapes: ``x[T, H]``; ``w_gate_up[E, 2I, H]`` (rows: gate then up, as HF stores f
 Output ``[T, H]`` in x's dtype: ``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
 ``e = topk_ids[t, j]``. Experts that get no tokens cost nothing.
 
+gpt-oss's experts (``ExpertActivation``): biases on both projections and a clamped SwiGLU,
+``(clamp(up, -L, L) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=L)``; the reference runs them on every
+backend (the Triton kernel's epilogue has neither).
+
 fp8 experts (DeepSeek-V3): both weights float8_e4m3fn with ``Fp8BlockScales`` (kernels/fp8.py has the format);
 the activations entering each GEMM (x, and the SiLU-and-mul output) are quantized per token and per group of
 ``block[1]`` features, so the whole expert runs as fp8 x fp8 products with float32 accumulation.
@@ -28,6 +32,20 @@ class Fp8BlockScales:
     block: tuple[int, int]  # (bn, bk), 128 x 128 in DeepSeek-V3
 
 
+@dataclass(frozen=True)
+class ExpertActivation:
+    kind: str  # "swiglu_oai"
+    alpha: float
+    limit: float
+    gate_up_bias: torch.Tensor  # [E, 2I]
+    down_bias: torch.Tensor  # [E, H]
+
+    def gated(self, gate_up: torch.Tensor, expert: int) -> torch.Tensor:
+        gate, up = (gate_up + self.gate_up_bias[expert]).chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
 def _fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
     """x as the fp8 GEMMs see it: quantized per (token, group) and dequantized, float32."""
     q, scale = per_token_group_quant_fp8_reference(x, group)
@@ -36,7 +54,8 @@ def _fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        fp8_scales: Fp8BlockScales | None = None) -> torch.Tensor:
+                        fp8_scales: Fp8BlockScales | None = None,
+                        activation: ExpertActivation | None = None) -> torch.Tensor:
     """The spec (and the CPU path): a readable loop over the experts that received tokens."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     intermediate = w_down.shape[-1]
@@ -44,7 +63,10 @@ def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
         if expert >= w_gate_up.shape[0]:
             continue  # another rank's expert
         token_idx, slot = (topk_ids == expert).nonzero(as_tuple=True)
-        if fp8_scales is None:
+        if activation is not None:
+            hidden = activation.gated(F.linear(x[token_idx], w_gate_up[expert]), expert)
+            y = F.linear(hidden, w_down[expert], activation.down_bias[expert])
+        elif fp8_scales is None:
             gate, up = F.linear(x[token_idx], w_gate_up[expert]).split(intermediate, dim=-1)
             y = F.linear(F.silu(gate) * up, w_down[expert])
         else:
@@ -96,11 +118,11 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ali
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, fp8_scales: Fp8BlockScales | None = None, backend: str = "torch",
-              tuner=None) -> torch.Tensor:
+              tuner=None, activation: ExpertActivation | None = None) -> torch.Tensor:
     """Dispatch: ``backend`` is a resolved kernel backend, "triton" or "torch" (kernels/backend.py); ``tuner`` an
     optional ``kernels.triton.moe_config.MoETuner`` (measured launch configs) for the Triton path."""
-    if backend == "triton":
+    if backend == "triton" and activation is None:
         from tokenmill.kernels.triton.fused_moe import fused_moe_triton
 
         return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, fp8_scales, tuner=tuner)
-    return fused_moe_reference(x, w_gate_up, w_down, topk_weights, topk_ids, fp8_scales)
+    return fused_moe_reference(x, w_gate_up, w_down, topk_weights, topk_ids, fp8_scales, activation)

@@ -56,10 +56,14 @@ class DecoderLM(nn.Module):
 
     def decoder(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The layer stack, run inside an attention context: [T] ids, [T] positions -> [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, positions)
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] ids -> [T, hidden] (a family that scales its embeddings overrides this)."""
+        return self.embed_tokens(input_ids)
 
     def weight_shard(self, name: str) -> tuple[int, slice] | None:
         """The (dimension, slice) of checkpoint tensor ``name`` this tensor-parallel rank loads (None: all of it).
@@ -79,7 +83,10 @@ class DecoderLM(nn.Module):
             logits = self.lm_head(hidden).float()
         else:
             logits = logits_with_exact_top(hidden, self.lm_head.weight, self.lm_head)
-        return self.tp.all_gather_last(logits)[:, :self.config.vocab_size] if self.tp.size > 1 else logits
+        if self.tp.size > 1:
+            logits = self.tp.all_gather_last(logits)[:, :self.config.vocab_size]
+        cap = self.config.style.final_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
 
     def cast_parameters(self, dtype: torch.dtype) -> "DecoderLM":
         """Give every parameter the compute ``dtype``, except fp8 weights (kept fp8: ``Module.to`` would widen them)
@@ -95,8 +102,13 @@ class DecoderLM(nn.Module):
     def to_device(self, device: torch.device | str, dtype: torch.dtype) -> "DecoderLM":
         """Move a materialized model: ``cast_parameters(dtype)``, then the device (rotary tables included)."""
         self.cast_parameters(dtype).to(device)
-        self.rotary.to(device)
+        self.move_rotary(device)
         return self
+
+    def move_rotary(self, device: torch.device | str) -> None:
+        """The cos/sin tables (not module state) to ``device``: ``rotaries`` where a model has several."""
+        for rotary in getattr(self, "rotaries", (self.rotary,)):
+            rotary.to(device)
 
     def weight_target(self, name: str) -> tuple[str, int | None] | None:
         """Checkpoint tensor ``name`` -> (this model's tensor name, first row in a fused tensor or None); a model

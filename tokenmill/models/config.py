@@ -11,21 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
+from tokenmill.models.families import GQA_FAMILIES, BlockStyle, block_style, rope_parameters, text_config
 from tokenmill.models.quant_methods import CHECKPOINT_METHODS, is_quantized_module, linear_format
 
 
 # What models/registry.py serves; a checkpoint naming several architectures is read as the first of these.
-KNOWN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "DeepseekV2ForCausalLM",
-                       "DeepseekV3ForCausalLM")
-
-
-def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
-    """One dict with rope_type and its fields, from either ``rope_scaling`` (older configs) or
-    ``rope_parameters`` (transformers 5), with ``rope_theta`` filled in."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-    return params
+KNOWN_ARCHITECTURES = (*GQA_FAMILIES, "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 def tp_split(n: int, tp: int, what: str) -> int:
@@ -60,16 +51,31 @@ class MoEConfig:
     num_shared_experts: int
     first_k_dense_replace: int
     layer_freq: int
-    scoring: str  # "softmax" | "sigmoid"
+    scoring: str  # "softmax" | "sigmoid" | "topk_softmax" (gpt-oss: the top-k logits, then their softmax)
     topk_method: str  # "greedy" | "group_limited_greedy" | "noaux_tc"
     num_groups: int
     topk_groups: int
     normalize: bool
     scaling: float
+    # Qwen3-MoE's placement: layers whose index + 1 is a multiple of sparse_step, except mlp_only_layers.
+    sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_bias: bool = False  # gpt-oss: the router's logits have a bias
+    # "silu": down(silu(gate) * up); "swiglu_oai" (gpt-oss): gate and up clamped at swiglu_limit,
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate), and biases on both expert projections.
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    @property
+    def expert_bias(self) -> bool:
+        return self.activation == "swiglu_oai"
 
     def is_moe_layer(self, index: int) -> bool:
-        """DeepSeek's rule (transformers drops the frequency, which every released config sets to 1)."""
-        return index >= self.first_k_dense_replace and index % self.layer_freq == 0
+        """DeepSeek's rule (transformers drops the frequency, which every released config sets to 1) and
+        Qwen3-MoE's (sparse step, MLP-only layers)."""
+        return index >= self.first_k_dense_replace and index % self.layer_freq == 0 \
+            and (index + 1) % self.sparse_step == 0 and index not in self.mlp_only_layers
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,15 @@ class ModelConfig:
     num_mtp_layers: int = 0
     # Linear weights stored quantized (a GGUF file's Q4/Q8 tensors); None: full precision (or fp8 blocks, above).
     quantization: Quantization | None = None
+    # What the family changes about a Llama block (models/families.py): windows, q/k norms, sinks, soft-caps, norms.
+    style: BlockStyle = BlockStyle()
+    # MoE experts stored as MXFP4 blocks (gpt-oss: quantization_config.quant_method mxfp4), dequantized at load.
+    mxfp4_experts: bool = False
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many features of a head RoPE rotates (GLM's partial_rotary_factor)."""
+        return int(self.head_dim * self.rope.get("partial_rotary_factor", 1.0))
 
     @property
     def attention_kind(self) -> str:
@@ -163,16 +178,21 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None,
                 tokenizer_eos_token_id: int | None = None) -> "ModelConfig":
+        hf = text_config(hf)
         archs = hf.get("architectures") or ["LlamaForCausalLM"]
         architecture = next((a for a in archs if a in KNOWN_ARCHITECTURES), archs[0])
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        if architecture not in KNOWN_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {architecture!r} (supported: "
+                             f"{', '.join(sorted(KNOWN_ARCHITECTURES))})")
         heads = hf["num_attention_heads"]
         mla = _mla(hf, architecture)
         eos = _ids(hf.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
         eos += _ids(tokenizer_eos_token_id)
         quant = hf.get("quantization_config") or {}
-        quantization = _quantization(hf, architecture)
+        mxfp4 = quant.get("quant_method") == "mxfp4"
+        if mxfp4 and architecture != "GptOssForCausalLM":
+            raise ValueError(f"quantization mxfp4 is supported for GptOssForCausalLM experts, not {architecture}")
+        quantization = None if mxfp4 else _quantization(hf, architecture)
         return cls(
             architecture=architecture, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
@@ -184,10 +204,12 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 has q/k/v biases without saying so in its config.
             attention_bias=bool(hf.get("attention_bias", False)) or architecture == "Qwen2ForCausalLM",
-            rope=rope_parameters(hf), eos_token_ids=tuple(dict.fromkeys(eos)), mla=mla, moe=_moe(hf, architecture),
+            rope=rope_parameters(hf)[0], eos_token_ids=tuple(dict.fromkeys(eos)), mla=mla,
+            moe=_moe(hf, architecture),
             fp8_weight_block=tuple(quant.get("weight_block_size") or (128, 128))
             if quant.get("quant_method") == "fp8" else None,
-            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0) if mla else 0, quantization=quantization)
+            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0) if mla else 0, quantization=quantization,
+            style=block_style(hf, architecture), mxfp4_experts=mxfp4)
 
 
 def _mla(hf: dict[str, Any], architecture: str) -> MLAConfig | None:
@@ -199,10 +221,13 @@ def _mla(hf: dict[str, Any], architecture: str) -> MLAConfig | None:
 
 
 def _moe(hf: dict[str, Any], architecture: str) -> MoEConfig | None:
+    if architecture in ("Qwen3MoeForCausalLM", "GptOssForCausalLM"):
+        return _softmax_moe(hf, architecture)
     if not hf.get("n_routed_experts"):
         return None
-    # Released configs name both; transformers 5 drops them for V3, whose router is sigmoid + noaux_tc.
-    scoring = hf.get("scoring_func") or ("sigmoid" if architecture == "DeepseekV3ForCausalLM" else "softmax")
+    # Released configs name both; transformers 5 drops them for V3 and GLM-4.5, whose routers are sigmoid + noaux_tc.
+    sigmoid = architecture in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+    scoring = hf.get("scoring_func") or ("sigmoid" if sigmoid else "softmax")
     method = hf.get("topk_method") or ("noaux_tc" if scoring == "sigmoid" else "greedy")
     return MoEConfig(num_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"],
                      intermediate_size=hf["moe_intermediate_size"], num_shared_experts=hf.get("n_shared_experts") or 0,
@@ -210,3 +235,19 @@ def _moe(hf: dict[str, Any], architecture: str) -> MoEConfig | None:
                      scoring=scoring, topk_method=method, num_groups=hf.get("n_group") or 1,
                      topk_groups=hf.get("topk_group") or 1, normalize=bool(hf.get("norm_topk_prob", False)),
                      scaling=float(hf.get("routed_scaling_factor", 1.0)))
+
+
+def _softmax_moe(hf: dict[str, Any], architecture: str) -> MoEConfig:
+    """Qwen3-MoE (softmax over all experts, top-k, optionally renormalized) and gpt-oss (top-k of the biased logits,
+    softmax over those k): no shared experts, no groups."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    gpt_oss = architecture == "GptOssForCausalLM"
+    return MoEConfig(num_experts=experts, top_k=hf["num_experts_per_tok"],
+                     intermediate_size=hf["intermediate_size"] if gpt_oss else hf["moe_intermediate_size"],
+                     num_shared_experts=0, first_k_dense_replace=0, layer_freq=1,
+                     scoring="topk_softmax" if gpt_oss else "softmax", topk_method="greedy", num_groups=1,
+                     topk_groups=1, normalize=bool(hf.get("norm_topk_prob", False)), scaling=1.0,
+                     sparse_step=hf.get("decoder_sparse_step") or 1,
+                     mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()), router_bias=gpt_oss,
+                     activation="swiglu_oai" if gpt_oss else "silu", swiglu_alpha=hf.get("swiglu_alpha", 1.702),
+                     swiglu_limit=hf.get("swiglu_limit", 7.0))

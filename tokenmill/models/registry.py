@@ -6,12 +6,11 @@ from torch import nn
 
 from tokenmill.models.config import KNOWN_ARCHITECTURES, ModelConfig
 from tokenmill.models.deepseek import DeepseekForCausalLM
+from tokenmill.models.families import GQA_FAMILIES
 from tokenmill.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
+    **{architecture: LlamaForCausalLM for architecture in GQA_FAMILIES},
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }

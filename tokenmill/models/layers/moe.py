@@ -1,5 +1,7 @@
-"""DeepSeek-V2/V3 MoE layer: router (V2 softmax with greedy or group-limited top-k; V3 sigmoid + correction
-bias + grouped top-k, ``noaux_tc``), routed experts through ``kernels.fused_moe``, and shared experts."""
+"""MoE layer: router (DeepSeek-V2 and Qwen3-MoE softmax with greedy or group-limited top-k; DeepSeek-V3 and
+GLM-4.5 sigmoid + correction bias + grouped top-k, ``noaux_tc``; gpt-oss top-k of biased logits, then their
+softmax), routed experts through ``kernels.fused_moe`` (gpt-oss's with biases and its clamped SwiGLU), and shared
+experts."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from torch import nn
 
 from tokenmill.distributed.group import TensorParallel
 from tokenmill.kernels.backend import KernelChoice
-from tokenmill.kernels.fused_moe import Fp8BlockScales, fused_moe
+from tokenmill.kernels.fused_moe import ExpertActivation, Fp8BlockScales, fused_moe
 from tokenmill.models.config import MoEConfig, tp_split
 from tokenmill.models.layers.mlp import SwiGLU
 
@@ -21,10 +23,14 @@ def _mask_to_groups(choice: torch.Tensor, group_scores: torch.Tensor, cfg: MoECo
     return choice.masked_fill(~keep, fill)
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-          cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k]); computed in float32 as the checkpoints expect."""
-    logits = F.linear(x.float(), weight.float())
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConfig,
+          logit_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k]); computed in float32 as the checkpoints expect.
+    ``bias``: V3's correction bias (steers the choice only); ``logit_bias``: gpt-oss's router bias."""
+    logits = F.linear(x.float(), weight.float(), None if logit_bias is None else logit_bias.float())
+    if cfg.scoring == "topk_softmax":
+        top = logits.topk(cfg.top_k, dim=-1)
+        return top.values.softmax(-1), top.indices
     scores = logits.softmax(-1) if cfg.scoring == "softmax" else logits.sigmoid()
     per_group = scores.shape[-1] // cfg.num_groups
     if cfg.topk_method == "noaux_tc":
@@ -61,8 +67,12 @@ class MoE(nn.Module):
         bias = torch.empty(c.num_experts) if self.cfg.topk_method == "noaux_tc" else None
         self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         dtype = torch.float8_e4m3fn if fp8_block else None
+        self.gate_bias = nn.Parameter(torch.empty(c.num_experts), requires_grad=False) if c.router_bias else None
         self.w_gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), requires_grad=False)
+        if c.expert_bias:
+            self.w_gate_up_bias = nn.Parameter(torch.empty(experts, 2 * inter), requires_grad=False)
+            self.w_down_bias = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
         self.fp8_block = fp8_block
         if fp8_block:
             bn, bk = fp8_block
@@ -76,14 +86,16 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H] (this rank's part of it under tensor parallelism: the layer all-reduces)."""
-        weights, ids = route(x, self.gate_weight, self.e_score_correction_bias, self.cfg)
+        weights, ids = route(x, self.gate_weight, self.e_score_correction_bias, self.cfg, self.gate_bias)
         if self.tp_size > 1:  # local expert indices; another rank's experts become E_local (fused_moe skips them)
             local = self.w_gate_up.shape[0]
             ids = ids - self.first_expert
             ids = ids.masked_fill((ids < 0) | (ids >= local), local)
         scales = Fp8BlockScales(self.w_gate_up_scale, self.w_down_scale, self.fp8_block) if self.fp8_block else None
+        experts = ExpertActivation(self.cfg.activation, self.cfg.swiglu_alpha, self.cfg.swiglu_limit,
+                                   self.w_gate_up_bias, self.w_down_bias) if self.cfg.expert_bias else None
         out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids, scales, backend=self.kernels.backend,
-                        tuner=self.kernels.moe_tuner)
+                        tuner=self.kernels.moe_tuner, activation=experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
