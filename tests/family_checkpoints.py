@@ -63,3 +63,37 @@ def make_family_checkpoint(path, tokenizer, family: str, **overrides):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model.eval()
+
+
+FP4_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., cols] -> (blocks [..., cols / 32, 16] uint8, scales [..., cols / 32] uint8): the OCP microscaling
+    layout gpt-oss ships (one e8m0 exponent per 32 values, the smallest that fits the block's largest value in
+    e2m1's 6.0; two e2m1 codes per byte, the even-indexed value in the low nibble), round to nearest."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(2.0 ** -120) / 6.0))
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - FP4_GRID).abs().argmin(-1).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+def write_mxfp4_copy(path) -> None:
+    """Rewrite a gpt-oss checkpoint's expert matrices in place as MXFP4 blocks and scales, as released checkpoints
+    store them: per output feature (rows of the transposed [E, out, in] matrix), with quant_method mxfp4."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    file = Path(path) / "model.safetensors"
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = pack_mxfp4(tensors.pop(name).transpose(1, 2).contiguous())
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, file, metadata={"format": "pt"})
+    config = json.loads((Path(path) / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (Path(path) / "config.json").write_text(json.dumps(config))

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -95,3 +96,41 @@ def fp32_server(tmp_path_factory):
                           "--cors-origins", CORS_ORIGIN)
     yield server
     stop_server(server)
+
+
+@contextmanager
+def inprocess_server(**config):
+    """A server with its engine in this process (--no-engine-process, uvicorn on a thread) for ``config``
+    (load_config's keywords): yields (root URL, ServerState)."""
+    import threading
+
+    import uvicorn
+
+    from tokenmill.config import load_config
+    from tokenmill.server.app import build_app
+    from tokenmill.server.auth import Authenticator
+    from tokenmill.server.deps import ServerState
+    from tokenmill.server.launch import _loader
+
+    engine_config = load_config(engine_process=False, **config)
+    state, clients = ServerState(Authenticator({}), False), []
+    app = build_app(state, _loader(engine_config, clients, lambda exc: None), [],
+                    engine_config.max_request_body_bytes)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    root = f"http://127.0.0.1:{port}"
+
+    class Alive:
+        @staticmethod
+        def poll():
+            return None if thread.is_alive() else 1
+    try:
+        wait_ready(root, Alive, 120, lambda: "the in-process server did not become ready")
+        yield root, state
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        for client in clients:
+            client.stop()

@@ -8,7 +8,6 @@ equal the reference's greedy tokens after every step, whatever the step accepted
 right for 0..K positions), and every output must equal transformers' greedy decoding without speculation.
 """
 
-import dataclasses
 
 import pytest
 import torch

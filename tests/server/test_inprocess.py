@@ -4,46 +4,22 @@ error the engine reports mid-request (a grammar over its budget) reaches the cli
 an error event in a stream that has started."""
 
 import asyncio
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
-from tests.live_server import MODEL, free_port, wait_ready
-from tokenmill.config import load_config
+from tests.live_server import MODEL, inprocess_server
 from tokenmill.server.admission import Reservation
-from tokenmill.server.app import build_app
-from tokenmill.server.auth import Authenticator
-from tokenmill.server.deps import ServerState
-from tokenmill.server.launch import _loader
 from tokenmill.structured.checker import GrammarChecker
 from tokenmill.structured.matchers import GrammarMatchers
 
 
 @pytest.fixture(scope="module")
 def inprocess():
-    config = load_config(dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="64MiB", max_model_len=1024,
-                         engine_process=False, grammar_timeout=1.0)
-    state, clients = ServerState(Authenticator({}), False), []
-    app = build_app(state, _loader(config, clients, lambda exc: None), [], config.max_request_body_bytes)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    root = f"http://127.0.0.1:{port}"
-
-    class Alive:
-        @staticmethod
-        def poll():
-            return None if thread.is_alive() else 1
-    wait_ready(root, Alive, 120, lambda: "the in-process server did not become ready")
-    yield root, state
-    server.should_exit = True
-    thread.join(30)
-    for client in clients:
-        client.stop()
+    with inprocess_server(dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="64MiB", max_model_len=1024,
+                          grammar_timeout=1.0) as running:
+        yield running
 
 
 @pytest.fixture

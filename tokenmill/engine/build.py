@@ -47,6 +47,13 @@ class LoadedModel:
 
 def open_model(config: EngineConfig) -> tuple[Checkpoint, Tokenizer, ModelConfig]:
     checkpoint = open_checkpoint(config.model)
+    # Before the tokenizer (transformers' own config checks are less clear) and any weight: an unknown family or an
+    # unsupported field is one error naming it.
+    try:
+        ModelConfig.from_hf(checkpoint.hf_config, checkpoint.generation_config)
+    except (KeyError, ValueError) as exc:
+        what = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ModelLoadError(f"cannot serve the model at {checkpoint.path}: {what}") from None
     tokenizer = Tokenizer.of_checkpoint(checkpoint, config.tokenizer_cache_dir)
     return checkpoint, tokenizer, ModelConfig.from_hf(checkpoint.hf_config, checkpoint.generation_config,
                                                       tokenizer.eos_token_id)

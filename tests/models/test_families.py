@@ -1,0 +1,106 @@
+"""The families of models/families.py, each a tiny random checkpoint written by transformers
+(tests/family_checkpoints.py): served through /v1/completions with prefix caching on, chunked prefill and a KV cache
+small enough to preempt, the greedy text equals transformers' greedy tokens decoded (fp32); two tensor-parallel ranks
+equal transformers too (Qwen3, Qwen3-MoE, gpt-oss); gpt-oss with MXFP4 experts equals transformers loading the same
+file dequantized; unknown families and unsupported fields are one clear error before any weight is read."""
+
+import json
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import hf_greedy
+from tests.family_checkpoints import FAMILIES, make_family_checkpoint, write_mxfp4_copy
+from tests.live_server import inprocess_server
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.loader import ModelLoadError
+
+NEW_TOKENS = 12
+BASE = [(7 * i) % 997 + 100 for i in range(40)]
+FIRST = BASE[:20]
+# Sharing FIRST's blocks (prefix cache hits once it ran), a short one, and one past every window.
+PROMPTS = [BASE[:20] + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], BASE[:7], BASE[:20], BASE[3:36]]
+BLOCK = 4
+CAPACITY = 56  # tokens: fewer than PROMPTS need together (preemption), enough for the longest alone
+
+
+def metric(root: str, name: str) -> float:
+    text = httpx.get(root + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name in (name, name + "_total"))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_served_greedy_text_equals_transformers(tmp_path, smollm_llm, family):
+    tokenizer = smollm_llm.tokenizer.hf
+    hf = make_family_checkpoint(tmp_path, tokenizer, family)
+    expected = [tokenizer.decode(hf_greedy(hf, p, NEW_TOKENS), skip_special_tokens=True) for p in PROMPTS]
+    spec = ModelConfig.from_hf(json.loads((tmp_path / "config.json").read_text())).kv_cache_spec("fp32", BLOCK)
+    with inprocess_server(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp32", block_size=BLOCK,
+                          kv_cache_memory=(CAPACITY + BLOCK) * spec.bytes_per_token, max_model_len=CAPACITY,
+                          max_num_batched_tokens=8, enable_prefix_caching=True) as (root, _):
+        served = httpx.get(root + "/v1/models", timeout=10).json()["data"][0]["id"]
+        body = dict(model=served, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        first = httpx.post(root + "/v1/completions", json={**body, "prompt": [FIRST]}, timeout=120)
+        assert first.status_code == 200, first.text
+        response = httpx.post(root + "/v1/completions", json={**body, "prompt": PROMPTS}, timeout=300)
+        assert response.status_code == 200, response.text
+        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+        assert [c["text"] for c in choices] == expected
+        assert first.json()["choices"][0]["text"] == expected[2]
+        assert metric(root, "tokenmill:prefix_cache_hits") > 0
+        assert metric(root, "tokenmill:num_preemptions") >= 1
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe", "gpt-oss"])
+def test_two_ranks_equal_transformers(tmp_path, smollm_llm, family):
+    from tests.engine.test_tensor_parallel import two_ranks_match
+
+    two_ranks_match(tmp_path, make_family_checkpoint(tmp_path, smollm_llm.tokenizer.hf, family))
+
+
+def test_gpt_oss_mxfp4_experts_equal_transformers_dequantized(tmp_path, smollm_llm):
+    import transformers
+
+    make_family_checkpoint(tmp_path, smollm_llm.tokenizer.hf, "gpt-oss")
+    write_mxfp4_copy(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="16MiB",
+              max_num_batched_tokens=8)
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [r.token_ids for r in llm.generate(PROMPTS, greedy)] == [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def _config(tmp_path, smollm_llm, family, **changes):
+    make_family_checkpoint(tmp_path, smollm_llm.tokenizer.hf, family)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"not read")  # an error must come before any weight is read
+
+
+@pytest.mark.parametrize("family,changes,message", [
+    ("qwen3", {"architectures": ["Qwen9ForCausalLM"]}, "unsupported architecture 'Qwen9ForCausalLM'"),
+    ("qwen3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+     "rope_parameters rope_type 'longrope' is not supported"),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "dynamic", "rope_theta": 1e4}}},
+     "rope_parameters.sliding_attention rope_type 'dynamic'"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gpt-oss", {"layer_types": ["chunked_attention"] * 4}, r"layer_types \['chunked_attention'\]"),
+    ("gemma3", {"hidden_activation": "relu"}, "hidden_act 'relu'"),
+    ("qwen3", {"quantization_config": {"quant_method": "mxfp4"}}, "mxfp4 is supported for GptOssForCausalLM"),
+])
+def test_unsupported_fields_are_one_clear_error(tmp_path, smollm_llm, family, changes, message):
+    _config(tmp_path, smollm_llm, family, **changes)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(model=str(tmp_path), dtype="float32")
