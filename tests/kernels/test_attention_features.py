@@ -81,7 +81,10 @@ def test_cpu_kernel_matches_reference(kind, kv_dtype):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("kind,num_splits", [(kind, 3) for kind in FEATURES] + [("window+sinks", 1)], ids=str)
+# The interpreter is slow: a window shorter than a block with the cap over split decodes, sinks with a window over
+# splits and without either.
+@pytest.mark.parametrize("kind,num_splits", [(AttentionFeatures(window=3, softcap=2.5), 3), ("window+sinks", 3),
+                                             ("sinks", 1)], ids=str)
 def test_triton_matches_reference(kind, num_splits):
     pytest.importorskip("triton")
     from tests.kernels.test_triton_attention import on_device

@@ -104,3 +104,22 @@ def test_unsupported_fields_are_one_clear_error(tmp_path, smollm_llm, family, ch
     _config(tmp_path, smollm_llm, family, **changes)
     with pytest.raises(ModelLoadError, match=message):
         LLM(model=str(tmp_path), dtype="float32")
+
+
+def test_glm_multi_token_prediction_layer_is_skipped(tmp_path, smollm_llm):
+    """GLM-4.5 checkpoints ship their MTP layer as layer num_hidden_layers (num_nextn_predict_layers: 1): it is not
+    run, and its tensors neither fail the load nor change the tokens."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_family_checkpoint(tmp_path, smollm_llm.tokenizer.hf, "glm4-moe")
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    last = hf.config.num_hidden_layers - 1
+    tensors.update({n.replace(f"layers.{last}.", f"layers.{last + 1}."): t.clone()
+                    for n, t in tensors.items() if f"layers.{last}." in n})
+    tensors[f"model.layers.{last + 1}.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, file, metadata={"format": "pt"})
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="16MiB")
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [r.token_ids for r in llm.generate(PROMPTS[:2], greedy)] == \
+        [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS[:2]]

@@ -23,10 +23,17 @@ class LlamaWeights:
     def _local_experts(self) -> int:
         return self.config.moe.num_experts // self.tp.size
 
+    def _beyond_decoder(self, name: str) -> bool:
+        """A layer past the decoder's: GLM-4.5's multi-token-prediction layer (num_nextn_predict_layers), not run."""
+        m = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
+        return m is not None and int(m.group(1)) >= self.config.num_layers
+
     def weight_shard(self, name: str):
         """The (dimension, slice) of checkpoint tensor ``name`` this rank loads; None: all of it; SKIP: none of it
         (another rank's experts)."""
         a, tp = self.config, self.tp
+        if self._beyond_decoder(name):
+            return SKIP
         if tp.size == 1:
             return None
         if m := PER_EXPERT.fullmatch(name.removeprefix("model.")):
@@ -70,7 +77,7 @@ class LlamaWeights:
     def weight_target(self, name: str) -> tuple[str, int | None] | None:
         """Checkpoint tensor ``name`` -> (this model's parameter or buffer name, the first row it fills in a fused
         q/k/v or gate/up tensor, else None); None for tensors the model does not keep (rotary tables)."""
-        if "rotary_emb" in name:
+        if "rotary_emb" in name or self._beyond_decoder(name):
             return None
         if m := PER_EXPERT.fullmatch(name.removeprefix("model.")):  # copied by _copy_expert
             return f"{m.group(1)}.{'w_down' if m.group(3) == 'down' else 'w_gate_up'}", None
