@@ -123,3 +123,28 @@ def test_glm_multi_token_prediction_layer_is_skipped(tmp_path, smollm_llm):
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     assert [r.token_ids for r in llm.generate(PROMPTS[:2], greedy)] == \
         [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS[:2]]
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path, smollm_llm):
+    """Gemma3ForConditionalGeneration as released (language_model.model.*, a vision tower, text_config): the text
+    model's greedy tokens equal transformers' on the whole checkpoint fed text only."""
+    import transformers
+
+    from tests.family_checkpoints import COMMON
+
+    tokenizer = smollm_llm.tokenizer.hf
+    text = {**COMMON, **FAMILIES["gemma3"][1], "vocab_size": len(tokenizer)}
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, mm_tokens_per_image=4, vision_config=dict(
+            hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=14))).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0.0, 0.3 if "norm" in name else 0.08)
+    hf.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="16MiB")
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [r.token_ids for r in llm.generate(PROMPTS[:2], greedy)] == \
+        [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS[:2]]

@@ -12,6 +12,23 @@ import torch
 from tokenmill.models.expert_weights import PER_EXPERT, fused_experts
 from tokenmill.models.loader import SKIP
 
+# A multimodal wrapper's text model (Gemma3ForConditionalGeneration): its prefixes as released and as
+# transformers 5 names them; the vision tower and projector are not served.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_NOT_TEXT = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
+
+
+def text_name(name: str) -> str | None:
+    """A checkpoint name as the text model's (None: a tensor of the vision side)."""
+    if name.startswith(_NOT_TEXT):
+        return None
+    for wrapped, plain in _TEXT_PREFIXES:
+        if name.startswith(wrapped):
+            return plain + name.removeprefix(wrapped)
+    return name
+
+
 # Router tensors as the families name them -> MoE's parameters.
 _ROUTER = {"gate.weight": "gate_weight", "gate.e_score_correction_bias": "e_score_correction_bias",
            "router.weight": "gate_weight", "router.bias": "gate_bias"}
@@ -32,7 +49,8 @@ class LlamaWeights:
         """The (dimension, slice) of checkpoint tensor ``name`` this rank loads; None: all of it; SKIP: none of it
         (another rank's experts)."""
         a, tp = self.config, self.tp
-        if self._beyond_decoder(name):
+        name = text_name(name)
+        if name is None or self._beyond_decoder(name):
             return SKIP
         if tp.size == 1:
             return None
@@ -77,7 +95,8 @@ class LlamaWeights:
     def weight_target(self, name: str) -> tuple[str, int | None] | None:
         """Checkpoint tensor ``name`` -> (this model's parameter or buffer name, the first row it fills in a fused
         q/k/v or gate/up tensor, else None); None for tensors the model does not keep (rotary tables)."""
-        if "rotary_emb" in name or self._beyond_decoder(name):
+        name = text_name(name)
+        if name is None or "rotary_emb" in name or self._beyond_decoder(name):
             return None
         if m := PER_EXPERT.fullmatch(name.removeprefix("model.")):  # copied by _copy_expert
             return f"{m.group(1)}.{'w_down' if m.group(3) == 'down' else 'w_gate_up'}", None
@@ -99,7 +118,8 @@ class LlamaWeights:
         must be filled exactly once."""
         params = self.loadable_tensors()
         filled: dict[str, int] = {}
-        for name, tensor in fused_experts(weights):
+        text = ((text_name(name), tensor) for name, tensor in weights)
+        for name, tensor in fused_experts((name, tensor) for name, tensor in text if name is not None):
             if m := PER_EXPERT.fullmatch(name.removeprefix("model.")):
                 self._copy_expert(m, tensor, params, filled)
                 continue
