@@ -120,6 +120,8 @@ class LlamaWeights:
         filled: dict[str, int] = {}
         text = ((text_name(name), tensor) for name, tensor in weights)
         for name, tensor in fused_experts((name, tensor) for name, tensor in text if name is not None):
+            if self._beyond_decoder(name):  # weight_shard skips these unread; a loader that does not ask skips here
+                continue
             if m := PER_EXPERT.fullmatch(name.removeprefix("model.")):
                 self._copy_expert(m, tensor, params, filled)
                 continue
