@@ -44,7 +44,7 @@ def dense(q, k, v, sm_scale, f: AttentionFeatures):
     return out
 
 
-def batch_and_args(kv_dtype, device="cpu"):
+def batch_and_args(kv_dtype):
     batch = paged_batch(SHAPES, HQ, HKV, D, kv_dtype, block_size=4, num_blocks=128)
     write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping)
     return batch, (batch.q, batch.new_kv[:, :HKV], batch.new_kv[:, HKV:], batch.data, batch.scales, batch.meta,

@@ -144,8 +144,6 @@ class ModelConfig:
     quantization: Quantization | None = None
     # What the family changes about a Llama block (models/families.py): windows, q/k norms, sinks, soft-caps, norms.
     style: BlockStyle = BlockStyle()
-    # MoE experts stored as MXFP4 blocks (gpt-oss: quantization_config.quant_method mxfp4), dequantized at load.
-    mxfp4_experts: bool = False
 
     @property
     def rotary_dim(self) -> int:
@@ -189,6 +187,7 @@ class ModelConfig:
         eos = _ids(hf.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
         eos += _ids(tokenizer_eos_token_id)
         quant = hf.get("quantization_config") or {}
+        # MXFP4 experts (gpt-oss) are recognized by their tensors and dequantized at load (models/expert_weights.py).
         mxfp4 = quant.get("quant_method") == "mxfp4"
         if mxfp4 and architecture != "GptOssForCausalLM":
             raise ValueError(f"quantization mxfp4 is supported for GptOssForCausalLM experts, not {architecture}")
@@ -209,7 +208,7 @@ class ModelConfig:
             fp8_weight_block=tuple(quant.get("weight_block_size") or (128, 128))
             if quant.get("quant_method") == "fp8" else None,
             num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0) if mla else 0, quantization=quantization,
-            style=block_style(hf, architecture), mxfp4_experts=mxfp4)
+            style=block_style(hf, architecture))
 
 
 def _mla(hf: dict[str, Any], architecture: str) -> MLAConfig | None:
