@@ -15,13 +15,14 @@ def teacher_forced_logits(model: torch.nn.Module, kv_cache: KVCache, token_ids: 
                           chunk: int | None = None) -> torch.Tensor:
     """Logits [len(token_ids), vocab] of a request fed through the runner's persistent batch and the paged cache
     ``chunk`` tokens per step (None: the whole prompt in one step; 1: every position is a decode reading the cache)."""
-    block_size = kv_cache.spec.block_size
+    block_size, groups = kv_cache.spec.block_size, kv_cache.spec.groups.num_groups
     num_blocks = -(-len(token_ids) // block_size)
-    assert num_blocks <= kv_cache.num_blocks
-    # Blocks from the pool's far end, so block ids are not simply 0, 1, 2...
-    blocks = [kv_cache.num_blocks - 1 - b for b in range(num_blocks)]
-    batch = InputBatch(1, len(token_ids) + 1, block_size, kv_cache.null_block, model.config.vocab_size, (), "cpu")
-    batch.add(NewRequestData("probe", list(token_ids), len(token_ids), SamplingParams(), blocks, 0))
+    assert num_blocks * groups <= kv_cache.num_blocks
+    # Blocks from the pool's far end, so block ids are not simply 0, 1, 2...; each KV group its own (all kept).
+    tables = [[kv_cache.num_blocks - 1 - g * num_blocks - b for b in range(num_blocks)] for g in range(groups)]
+    batch = InputBatch(1, len(token_ids) + 1, block_size, kv_cache.null_block, model.config.vocab_size, (), "cpu",
+                       groups)
+    batch.add(NewRequestData("probe", list(token_ids), len(token_ids), SamplingParams(), tables, 0))
     chunk = chunk or len(token_ids)
     logits, done = [], 0
     while done < len(token_ids):
@@ -29,7 +30,7 @@ def teacher_forced_logits(model: torch.nn.Module, kv_cache: KVCache, token_ids: 
         inputs = batch.prepare({"probe": n})
         logits.append(model.compute_logits(model(inputs.input_ids, inputs.positions, inputs.attention, kv_cache)))
         done += n
-        batch.update(RunningRequestData("probe", [], done, num_blocks))
+        batch.update(RunningRequestData("probe", [[]] * groups, done, num_blocks, [0] * groups))
     return torch.cat(logits)
 
 

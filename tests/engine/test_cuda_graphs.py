@@ -6,6 +6,7 @@ benchmarks/gpu_check.sh runs them (CUDA-graph decode equal to eager)."""
 
 import pytest
 
+from tests.family_checkpoints import make_family_checkpoint
 from tests.tiny_checkpoints import make_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -17,9 +18,14 @@ def test_batch_sizes_climb_to_max_num_seqs():
     assert graph_batch_sizes(1000)[-1] == 256
 
 
-@pytest.mark.parametrize("kind,backend", [("dense-gqa", "torch"), ("v3-q-lora", "torch"), ("dense-gqa", "triton")])
+@pytest.mark.parametrize("kind,backend", [("dense-gqa", "torch"), ("v3-q-lora", "torch"), ("dense-gqa", "triton"),
+                                          ("gpt-oss", "torch")])
 def test_static_decode_path_equals_eager(tmp_path, smollm_llm, kind, backend):
-    make_tiny_checkpoint(tmp_path, smollm_llm, kind)
+    """gpt-oss: two KV groups (sliding window 8, full), each with its own static slots and tables."""
+    if kind == "gpt-oss":
+        make_family_checkpoint(tmp_path, smollm_llm.tokenizer.hf, kind)
+    else:
+        make_tiny_checkpoint(tmp_path, smollm_llm, kind)
     llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="8MiB", max_model_len=96,
               max_num_seqs=6, kernel_backend=backend)
     prompts = [[(3 * i + j) % 50 + 200 for i in range(n)] for j, n in enumerate((5, 11, 17, 4, 9))]
@@ -30,4 +36,5 @@ def test_static_decode_path_equals_eager(tmp_path, smollm_llm, kind, backend):
     runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, 6, 96, capture=False)
     assert [r.token_ids for r in llm.generate(prompts, params)] == want
     assert runner.graphs.num_runs >= 20  # the decode steps went through the static path
+    assert len(runner.graphs.slot_mapping) == runner.kv_cache.spec.groups.num_groups == (2 if kind == "gpt-oss" else 1)
     llm.engine.scheduler.check_integrity()

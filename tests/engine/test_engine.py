@@ -164,8 +164,8 @@ def test_abort_frees_blocks(smollm_llm, prompt_ids):
     rid = smollm_llm.add_request(prompt_ids[4], GREEDY)
     engine.step()
     req = engine.scheduler.requests[rid]
-    assert req.block_ids
+    assert req.block_tables
     out = engine.abort(rid)
-    assert out.finish_reason == "abort" and req.block_ids == []
+    assert out.finish_reason == "abort" and req.block_tables == []
     pool = engine.scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_blocks

@@ -45,19 +45,19 @@ def test_cached_block_survives_free_until_evicted():
 
 class _Req:
     def __init__(self):
-        self.block_ids, self.num_computed_tokens, self.num_cached_blocks = [], 0, 0
+        self.block_tables, self.num_computed_tokens, self.num_cached_blocks = [], 0, 0
 
 
 def test_manager_allocates_by_ceil_blocks():
     kv = KVCacheManager(num_blocks=5, block_size=4)
     r = _Req()
-    assert kv.allocate_slots(r, 5) and len(r.block_ids) == 2
+    assert kv.allocate_slots(r, 5) and len(r.block_tables[0]) == 2
     r.num_computed_tokens = 5
-    assert kv.allocate_slots(r, 3) and len(r.block_ids) == 2  # 8 tokens fit in 2 blocks
-    assert kv.allocate_slots(r, 4) and len(r.block_ids) == 3
+    assert kv.allocate_slots(r, 3) and len(r.block_tables[0]) == 2  # 8 tokens fit in 2 blocks
+    assert kv.allocate_slots(r, 4) and len(r.block_tables[0]) == 3
     assert not kv.allocate_slots(r, 100)
     kv.free(r)
-    assert r.block_ids == [] and kv.pool.num_free_blocks == 5
+    assert r.block_tables == [] and kv.pool.num_free_blocks == 5
 
 
 def test_spec_bytes_per_token_formula():

@@ -19,7 +19,7 @@ def request(tokens: list[int], salt: str | None = None) -> Request:
 def compute(kv: KVCacheManager, req: Request) -> None:
     """Admit ``req`` (taking prefix hits), 'compute' all its known tokens, and offer its full blocks to the cache."""
     hits = kv.find_cached_prefix(req)
-    assert kv.allocate_slots(req, req.num_tokens - len(hits) * BS, hits)
+    assert kv.allocate_slots(req, req.num_tokens - (len(hits[0]) if hits else 0) * BS, hits)
     req.num_computed_tokens = req.num_tokens
     kv.cache_computed_blocks(req)
 
@@ -53,13 +53,13 @@ def test_shared_prefix_hits_whole_blocks_and_keeps_the_last_token_computed():
     compute(kv, a)
     b = request(list(range(1, 10)) + [99, 98, 97])  # shares 9 tokens: 2 full blocks
     hits = kv.find_cached_prefix(b)
-    assert hits == a.block_ids[:2]
+    assert hits == [a.block_tables[0][:2]]
     assert kv.allocate_slots(b, b.num_tokens - 8, hits)
-    assert b.num_computed_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
-    assert [kv.pool.blocks[i].ref_cnt for i in a.block_ids[:2]] == [2, 2]
+    assert b.num_computed_tokens == 8 and b.block_tables[0][:2] == a.block_tables[0][:2]
+    assert [kv.pool.blocks[i].ref_cnt for i in a.block_tables[0][:2]] == [2, 2]
     # A prompt that is exactly two cached blocks still computes its last token: one block hit, not two.
     c = request(list(range(1, 9)))
-    assert kv.find_cached_prefix(c) == a.block_ids[:1]
+    assert kv.find_cached_prefix(c) == [a.block_tables[0][:1]]
     kv.pool.check_integrity()
 
 
@@ -68,7 +68,7 @@ def test_different_salts_never_share():
     compute(kv, request(list(range(1, 13)), salt="a"))
     assert kv.find_cached_prefix(request(list(range(1, 13)), salt="b")) == []
     assert kv.find_cached_prefix(request(list(range(1, 13)))) == []
-    assert len(kv.find_cached_prefix(request(list(range(1, 13)), salt="a"))) == 2
+    assert len(kv.find_cached_prefix(request(list(range(1, 13)), salt="a"))[0]) == 2
 
 
 def test_freed_blocks_stay_cached_until_the_pool_needs_them_least_recently_freed_first():
@@ -80,8 +80,8 @@ def test_freed_blocks_stay_cached_until_the_pool_needs_them_least_recently_freed
     assert kv.pool.num_evictions_total == 1
     kv.free(b)
     # a was freed tail first, so its block 1 was evicted first: block 0 still hits, block 1 no longer does.
-    assert len(kv.find_cached_prefix(request([1] * 9))) == 1
-    assert len(kv.find_cached_prefix(request([2] * 9))) == 2
+    assert len(kv.find_cached_prefix(request([1] * 9))[0]) == 1
+    assert len(kv.find_cached_prefix(request([2] * 9))[0]) == 2
     kv.pool.check_integrity()
 
 
@@ -92,8 +92,8 @@ def test_admission_with_hits_is_all_or_nothing():
     kv.free(a)  # 4 free blocks, 2 of them cached
     big = request(list(range(1, 9)) + list(range(50, 60)))  # 18 tokens: 2 hits + 3 new blocks > 4 free
     hits = kv.find_cached_prefix(big)
-    assert len(hits) == 2 and not kv.allocate_slots(big, big.num_tokens - 8, hits)
-    assert big.block_ids == [] and big.num_computed_tokens == 0
+    assert len(hits[0]) == 2 and not kv.allocate_slots(big, big.num_tokens - 8, hits)
+    assert big.block_tables == [] and big.num_computed_tokens == 0
     assert kv.pool.num_free_blocks == 4 and all(kv.pool.lookup(h, t) is not None for h, t in
                                                 zip(big.block_hashes[:2], ([1, 2, 3, 4], [5, 6, 7, 8])))
     kv.pool.check_integrity()

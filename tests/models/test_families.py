@@ -4,6 +4,7 @@ small enough to preempt, the greedy text equals transformers' greedy tokens deco
 equal transformers too (Qwen3-MoE, gpt-oss); gpt-oss with MXFP4 experts equals transformers loading the same
 file dequantized; unknown families and unsupported fields are one clear error before any weight is read."""
 
+import copy
 import json
 
 import httpx
@@ -25,6 +26,7 @@ FIRST = BASE[:20]
 PROMPTS = [BASE[:20] + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], BASE[:7], BASE[:20], BASE[3:36]]
 BLOCK = 4
 CAPACITY = 56  # tokens: fewer than PROMPTS need together (preemption), enough for the longest alone
+CHUNK = 8
 
 
 def metric(root: str, name: str) -> float:
@@ -39,9 +41,11 @@ def test_served_greedy_text_equals_transformers(tmp_path, smollm_llm, family):
     hf = make_family_checkpoint(tmp_path, tokenizer, family)
     expected = [tokenizer.decode(hf_greedy(hf, p, NEW_TOKENS), skip_special_tokens=True) for p in PROMPTS]
     spec = ModelConfig.from_hf(json.loads((tmp_path / "config.json").read_text())).kv_cache_spec("fp32", BLOCK)
+    # Blocks for the longest request alone (sliding-window layers hold only their window and the chunk), the null one.
+    num_blocks = spec.groups.blocks_for(CAPACITY, BLOCK, CHUNK) + 1
     with inprocess_server(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp32", block_size=BLOCK,
-                          kv_cache_memory=(CAPACITY + BLOCK) * spec.bytes_per_token, max_model_len=CAPACITY,
-                          max_num_batched_tokens=8, enable_prefix_caching=True) as (root, _):
+                          kv_cache_memory=num_blocks * spec.bytes_per_block, max_model_len=CAPACITY,
+                          max_num_batched_tokens=CHUNK, enable_prefix_caching=True) as (root, _):
         served = httpx.get(root + "/v1/models", timeout=10).json()["data"][0]["id"]
         body = dict(model=served, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
         first = httpx.post(root + "/v1/completions", json={**body, "prompt": [FIRST]}, timeout=120)
@@ -104,6 +108,32 @@ def test_unsupported_fields_are_one_clear_error(tmp_path, smollm_llm, family, ch
     _config(tmp_path, smollm_llm, family, **changes)
     with pytest.raises(ModelLoadError, match=message):
         LLM(model=str(tmp_path), dtype="float32")
+
+
+def test_kimi_k2_remote_code_tokenizer_is_one_error_that_says_what_to_do(tmp_path, smollm_llm):
+    """Kimi-K2 ships a tiktoken tokenizer built by its own tokenization_kimi.py (no tokenizer.json)."""
+    _config(tmp_path, smollm_llm, "kimi-k2")
+    (tmp_path / "tokenizer.json").unlink()
+    tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    tokenizer_config["auto_map"] = {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (tmp_path / "tiktoken.model").write_text("IQ== 0\n")
+    (tmp_path / "tokenization_kimi.py").write_text("raise SystemExit('a checkpoint's code must never run')\n")
+    with pytest.raises(ModelLoadError, match=r"tokenization_kimi\.py.*no tokenizer\.json.*save_pretrained"):
+        LLM(model=str(tmp_path), dtype="float32")
+
+
+def test_template_stop_tokens_end_a_response_without_a_generation_config(tmp_path, smollm_llm):
+    """gpt-oss ends a response with <|return|> and a tool call with <|call|>: both stop, config or not."""
+    tokenizer = copy.deepcopy(smollm_llm.tokenizer.hf)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|return|>", "<|call|>"]})
+    make_family_checkpoint(tmp_path, tokenizer, "gpt-oss")
+    (tmp_path / "generation_config.json").unlink(missing_ok=True)
+    call = tokenizer.convert_tokens_to_ids("<|call|>")
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB")
+    forced = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, logit_bias={call: 100.0}))[0]
+    assert (forced.token_ids, forced.finish_reason) == ([call], "stop")
+    assert tokenizer.convert_tokens_to_ids("<|return|>") in llm.engine.model_config.eos_token_ids
 
 
 def test_glm_multi_token_prediction_layer_is_skipped(tmp_path, smollm_llm):

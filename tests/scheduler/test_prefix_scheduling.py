@@ -54,8 +54,8 @@ def test_running_requests_share_blocks_while_both_run():
     b = make_request("b", 3, 12, seed=2, prefix=SYSTEM)
     sched.add_request(b)
     run_step(sched)
-    assert b.block_ids[:5] == a.block_ids[:5]
-    assert all(sched.kv.pool.blocks[i].ref_cnt == 2 for i in a.block_ids[:5])
+    assert b.block_tables[0][:5] == a.block_tables[0][:5]
+    assert all(sched.kv.pool.blocks[i].ref_cnt == 2 for i in a.block_tables[0][:5])
     drain(sched)
     assert a.output_token_ids == expected_output(a) and b.output_token_ids == expected_output(b)
     assert sched.kv.pool.num_free_blocks == 64

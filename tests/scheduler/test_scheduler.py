@@ -76,7 +76,7 @@ def test_preempted_request_returns_to_front_of_waiting():
             break
     assert out.preempted_ids == ["b"]
     assert list(sched.waiting)[:2] == [b, c]
-    assert b.num_computed_tokens == 0 and b.block_ids == []
+    assert b.num_computed_tokens == 0 and b.block_tables == []
 
 
 @pytest.mark.parametrize("where", ["waiting", "running", "mid_prefill"])
@@ -91,7 +91,7 @@ def test_abort_anywhere_frees_blocks(where):
             while victim.num_computed_tokens < victim.num_prompt_tokens:
                 run_step(sched)
     assert sched.abort("victim") is victim
-    assert victim.status == RequestStatus.FINISHED_ABORTED and victim.block_ids == []
+    assert victim.status == RequestStatus.FINISHED_ABORTED and victim.block_tables == []
     sched.kv.pool.check_integrity()
     assert sched.abort("victim") is None  # idempotent
     drain(sched)

@@ -3,7 +3,7 @@ KV it reads back: a wrong rollback of rejected drafts leaves their tokens in the
 
 import random
 
-from tests.scheduler.fake_runner import VOCAB, drain, expected_output, make_request, run_step
+from tests.scheduler.fake_runner import VOCAB, drain, expected_output, make_request, random_workload, run_step
 from tokenmill.kvcache.manager import KVCacheManager
 from tokenmill.scheduler.request import RequestStatus
 from tokenmill.scheduler.scheduler import Scheduler
@@ -43,9 +43,9 @@ def test_wrong_drafts_are_rejected_and_their_blocks_released():
     r.spec_token_ids = list(drafts)
     out, _ = run_step(sched)
     assert out.num_scheduled_tokens == {"r": 9} and out.spec_token_ids == {"r": drafts}
-    assert len(out.running[0].new_block_ids) == 2  # positions 3..11 take blocks 1 and 2
+    assert len(out.running[0].new_block_ids[0]) == 2  # positions 3..11 take blocks 1 and 2
     assert r.num_computed_tokens == 4 and r.num_output_tokens == 2  # only the model's own token was kept
-    assert len(r.block_ids) == 2  # block 2 held only rejected drafts: it went back
+    assert len(r.block_tables[0]) == 2  # block 2 held only rejected drafts: it went back
     assert sched.spec.num_draft_tokens_total == 8 and sched.spec.num_accepted_tokens_total == 0
     drain(sched)
     assert r.output_token_ids == expected_output(r)
@@ -68,18 +68,7 @@ def test_random_workload_with_drafts_aborts_preemptions_and_shared_prefixes():
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
     sched = scheduler(num_blocks=14, budget=14, max_num_seqs=6)
     propose = oracle(4, rng, wrong=0.3)
-    reqs = []
-    for step in range(600):
-        if step < 200 and rng.random() < 0.35:
-            r = make_request(f"r{step}", rng.randrange(1, 12), rng.randrange(1, 16), seed=step,
-                             prefix=rng.choice(prefixes))
-            reqs.append(r)
-            sched.add_request(r)
-        if reqs and rng.random() < 0.03:
-            sched.abort(rng.choice(reqs).request_id)
-        if sched.has_unfinished():
-            run_step(sched, propose=propose)
-    drain(sched, propose=propose)
+    reqs = random_workload(sched, rng, prefixes, max_prompt=12, max_new=16, propose=propose)
     for r in reqs:
         if r.status != RequestStatus.FINISHED_ABORTED:
             assert r.output_token_ids == expected_output(r), r.request_id
@@ -111,13 +100,13 @@ def test_lookahead_slots_come_from_free_blocks_and_reach_the_runner():
     a = make_request("a", 8, 6, seed=1)
     sched.add_request(a)
     out, _ = run_step(sched)  # 8 prompt tokens sample: slots to 8 + 3 -> 3 blocks
-    assert out.new_requests[0].block_ids == a.block_ids and len(a.block_ids) == 3
+    assert out.new_requests[0].block_tables == a.block_tables and len(a.block_tables[0]) == 3
     b = make_request("b", 11, 6, seed=2)
     sched.add_request(b)
     out, _ = run_step(sched)  # a decodes (still 3 blocks); b's 11 tokens take 3 blocks, the pool's last
-    assert (len(a.block_ids), len(b.block_ids), sched.kv.pool.num_free_blocks) == (3, 3, 0)
+    assert (len(a.block_tables[0]), len(b.block_tables[0]), sched.kv.pool.num_free_blocks) == (3, 3, 0)
     out, _ = run_step(sched)  # b's first decode (position 11) needs no block; a's lookahead (9..12) finds none
-    assert out.preempted_ids == [] and len(a.block_ids) == 3
+    assert out.preempted_ids == [] and len(a.block_tables[0]) == 3
     drain(sched)
     assert a.output_token_ids == expected_output(a) and b.output_token_ids == expected_output(b)
 

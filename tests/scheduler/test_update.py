@@ -54,7 +54,7 @@ def test_token_stops_cut_the_step_and_drop_the_kv_after_them(sampled, kept, stat
     [update] = step(sched, sampled)
     assert update.new_token_ids == kept and r.output_token_ids == [20] + kept
     assert (r.status, r.stop_reason) == (status, reason)
-    assert not r.block_ids and sched.kv.pool.num_free_blocks == sched.kv.pool.num_blocks  # finished: freed
+    assert not r.block_tables and sched.kv.pool.num_free_blocks == sched.kv.pool.num_blocks  # finished: freed
 
 
 def test_max_tokens_cuts_the_drafts_then_the_step_ends_at_length():
@@ -136,10 +136,10 @@ def test_late_completion_and_errors_finish_requests_that_were_not_scheduled():
     other = Request("o", [1, 2], SamplingParams(max_tokens=5), max_tokens=5)
     sched.add_request(other)
     out = sched.schedule(blocked={"r"})  # r's grammar is busy: passed over, keeping its blocks
-    assert "r" not in out.num_scheduled_tokens and r.block_ids and "o" in out.num_scheduled_tokens
+    assert "r" not in out.num_scheduled_tokens and r.block_tables and "o" in out.num_scheduled_tokens
     updates = sched.update_from_output(out, RunnerOutput({"o": [3]}), OutputReports(completed={"r"}))
     assert [(u.request.request_id, u.new_token_ids) for u in updates] == [("o", [3]), ("r", [])]
-    assert r.status == RequestStatus.FINISHED_STOPPED and not r.block_ids
+    assert r.status == RequestStatus.FINISHED_STOPPED and not r.block_tables
     out = sched.schedule()
     updates = sched.update_from_output(out, RunnerOutput({"o": [4]}), OutputReports(errors={"o": "too slow"}))
     assert [(u.request.request_id, u.new_token_ids) for u in updates] == [("o", [])]  # one output, nothing kept

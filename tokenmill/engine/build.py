@@ -22,6 +22,7 @@ from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.cpu_linear import pack_linears
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.families import TEMPLATE_STOP_TOKENS
 from tokenmill.models.layers.linear import LinearPlan, QuantLinear, quantize_linears
 from tokenmill.models.loader import SKIP, Checkpoint, ModelLoadError, open_checkpoint
 from tokenmill.models.quant_methods import CHECKPOINT_METHODS
@@ -50,13 +51,14 @@ def open_model(config: EngineConfig) -> tuple[Checkpoint, Tokenizer, ModelConfig
     # Before the tokenizer (transformers' own config checks are less clear) and any weight: an unknown family or an
     # unsupported field is one error naming it.
     try:
-        ModelConfig.from_hf(checkpoint.hf_config, checkpoint.generation_config)
+        architecture = ModelConfig.from_hf(checkpoint.hf_config, checkpoint.generation_config).architecture
     except (KeyError, ValueError) as exc:
         what = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
         raise ModelLoadError(f"cannot serve the model at {checkpoint.path}: {what}") from None
     tokenizer = Tokenizer.of_checkpoint(checkpoint, config.tokenizer_cache_dir)
+    stops = tokenizer.ids_of_tokens(TEMPLATE_STOP_TOKENS.get(architecture, ()))
     return checkpoint, tokenizer, ModelConfig.from_hf(checkpoint.hf_config, checkpoint.generation_config,
-                                                      tokenizer.eos_token_id)
+                                                      tokenizer.eos_token_id, stops)
 
 
 def build_runner(config: EngineConfig, settled: Settled, checkpoint: Checkpoint, model_config: ModelConfig,
@@ -176,7 +178,9 @@ def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, conf
 
     spec = model.kv_cache_spec(settled.kv_cache_dtype, config.block_size)
     num_blocks = tp.min(spec.num_blocks_for(_kv_budget(config, device)) - 1)  # less the cache's null block
-    capacity = num_blocks * spec.block_size
+    # The longest request the blocks hold (any length up to the positions when every layer has a window).
+    capacity = spec.groups.max_tokens_for(num_blocks, spec.block_size, limit=model.max_position,
+                                          chunk=config.max_num_batched_tokens)
     max_model_len = config.max_model_len or model.max_position
     if max_model_len > model.max_position:
         raise ConfigError(f"max_model_len={max_model_len} is beyond the model's {model.max_position} positions")

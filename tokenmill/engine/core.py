@@ -62,7 +62,8 @@ class EngineCore:
                 raise failed from None
             raise
         proposer = self.runner.proposer
-        kv = KVCacheManager(loaded.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        spec = loaded.kv_cache.spec
+        kv = KVCacheManager(loaded.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching, spec.groups)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    proposer.num_lookahead_tokens if proposer else 0)
         vocab_size, eos = self.model_config.vocab_size, list(self.model_config.eos_token_ids)
@@ -74,15 +75,17 @@ class EngineCore:
         self.num_decode_steps_total, self.decode_step_seconds_total = 0, 0.0
         self._step_seconds = 0.0  # running mean of a step's execution
         self._rss, self._rss_time = 0, float("-inf")  # read at most once a second, not every step
-        spec = loaded.kv_cache.spec
         self.info = EngineInfo(
             model_name=config.served_model_name or checkpoint.name, max_model_len=loaded.max_model_len,
             vocab_size=vocab_size, kv_capacity_tokens=kv.capacity_tokens, kv_bytes_per_token=spec.bytes_per_token,
             device=str(loaded.device), dtype=self.settled.dtype, eos_token_ids=eos,
-            weight_bytes=loaded.model.weight_bytes())
-        log.info("engine ready: model=%s device=%s dtype=%s kv=%s blocks=%d (%d tokens, %d bytes/token)",
+            weight_bytes=loaded.model.weight_bytes(), kv_groups=spec.groups, kv_block_size=spec.block_size)
+        groups = spec.groups
+        log.info("engine ready: model=%s device=%s dtype=%s kv=%s blocks=%d (%d tokens, %d bytes/token)%s",
                  self.info.model_name, loaded.device, self.settled.dtype, spec.dtype, kv.pool.num_blocks,
-                 kv.capacity_tokens, spec.bytes_per_token)
+                 kv.capacity_tokens, spec.bytes_per_token,
+                 "" if groups.num_groups == 1 else f"; {groups.num_groups} KV groups of {groups.group_size} layers, "
+                 f"windows {sorted(set(groups.windows))}")
 
     # --- requests
     def add_request(self, request: EngineRequest) -> None:

@@ -18,6 +18,7 @@ the padding but runs the forward eagerly over them: the CPU tests prove that plu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -49,8 +50,9 @@ class DecodeGraphs:
         long = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(top, **long)
         self.positions = torch.zeros(top, **long)
-        self.slot_mapping = torch.full((top,), -1, **long)
-        self.block_tables = torch.full((top, width), self.null_block, **long)
+        groups = kv_cache.spec.groups.num_groups  # per KV group (kvcache/groups.py): its slots and tables
+        self.slot_mapping = torch.full((groups, top), -1, **long)
+        self.block_tables = torch.full((groups, top, width), self.null_block, **long)
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
         self.metas = {b: self._meta(b, block_size) for b in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -59,17 +61,31 @@ class DecodeGraphs:
 
     def _meta(self, size: int, block_size: int) -> AttentionMetadata:
         """Attention metadata of ``size`` decodes whose device tensors are views of the static buffers."""
-        device = self.input_ids.device
+        groups = [self._group_meta(g, size, block_size) for g in range(len(self.slot_mapping))]
+        if len(groups) == 1:
+            return groups[0]
+        meta = dataclasses.replace(groups[0], groups=tuple(groups))
+        meta._tensors, meta._derived = groups[0]._tensors, {"decode_max_len": self.max_model_len}
+        return meta
+
+    def _group_meta(self, group: int, size: int, block_size: int) -> AttentionMetadata:
+        device, tables = self.input_ids.device, self.block_tables[group, :size]
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], query_start_loc=list(range(size + 1)),
-            seq_lens=[self.max_model_len] * size, block_tables=self.block_tables[:size], block_size=block_size,
+            slot_mapping=self.slot_mapping[group, :size], query_start_loc=list(range(size + 1)),
+            seq_lens=[self.max_model_len] * size, block_tables=tables, block_size=block_size,
             decode_indices=list(range(size)), prefill_indices=[])
         meta._tensors = DeviceTensors(
             query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device), seq_lens=self.seq_lens[:size],
             decode_rows=torch.arange(size, device=device), decode_seq_lens=self.seq_lens[:size],
-            decode_block_tables=self.block_tables[:size])
+            decode_block_tables=tables)
         meta._derived["decode_max_len"] = self.max_model_len  # fixes the split count per size
         return meta
+
+    def _reset_derived(self, size: int) -> None:
+        """Per-step caches start afresh (the eager stand-in reuses the metadata objects)."""
+        meta = self.metas[size]
+        for m in (meta, *meta.groups):
+            m._derived = {"decode_max_len": self.max_model_len}
 
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.metas[size], self.kv_cache)
@@ -105,17 +121,19 @@ class DecodeGraphs:
         width = meta.block_tables.shape[1]
         self.input_ids[:batch].copy_(input_ids)
         self.positions[:batch].copy_(positions)
-        self.slot_mapping[:batch].copy_(meta.slot_mapping)
+        for g in range(len(self.slot_mapping)):
+            group = meta.for_group(g)
+            self.slot_mapping[g, :batch].copy_(group.slot_mapping)
+            self.block_tables[g, :batch, :width].copy_(group.block_tables)
         self.seq_lens[:batch].copy_(tensors.seq_lens)
-        self.block_tables[:batch, :width].copy_(meta.block_tables)
         if size > batch:  # padding rows: see the module docstring
             self.input_ids[batch:size].zero_()
             self.positions[batch:size].zero_()
-            self.slot_mapping[batch:size].fill_(-1)
+            self.slot_mapping[:, batch:size].fill_(-1)
             self.seq_lens[batch:size].fill_(1)
-            self.block_tables[batch:size, 0].fill_(self.null_block)
+            self.block_tables[:, batch:size, 0].fill_(self.null_block)
         if not self.capture_graphs:
-            self.metas[size]._derived = {"decode_max_len": self.max_model_len}  # per-step caches start afresh
+            self._reset_derived(size)
             return self._forward(size)[:batch]
         self.graphs[size].replay()
         return self.outputs[size][:batch]

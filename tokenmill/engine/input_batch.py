@@ -5,12 +5,13 @@ parameters; a step reads the scheduled rows with vectorized gathers, so it alloc
 beyond the diff. Rows are reused through a free list; row order means nothing (the step's order is the scheduler's).
 
 Invariants: ``token_ids[r, :num_tokens[r]]`` are row r's known tokens, followed during a step by its
-``num_drafts[r]`` draft tokens (speculative decoding); ``block_table[r, :num_blocks[r]]`` its blocks (the rest point
-at the null block); ``output_counts[r]`` (when row r is penalized) counts its sampled tokens.
+``num_drafts[r]`` draft tokens (speculative decoding); ``block_table[r, g, :num_blocks[r]]`` its blocks in KV group g
+(kvcache/groups.py; the rest, and a window group's blocks behind its window, point at the null block); ``output_counts[r]`` (when row r is penalized) counts its sampled tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ class StepInputs:
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, null_block: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], device: torch.device):
+                 eos_token_ids: tuple[int, ...], device: torch.device, num_kv_groups: int = 1):
         self.max_num_reqs, self.block_size, self.vocab_size = max_num_reqs, block_size, vocab_size
         self.null_block, self.device = null_block, torch.device(device)
         self.eos_token_ids = np.array(eos_token_ids, dtype=np.int64)
@@ -53,7 +54,8 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_drafts = np.zeros(max_num_reqs, dtype=np.int64)  # this step's drafts, after the known tokens
-        self.block_table = np.full((max_num_reqs, -(-max_model_len // block_size)), null_block, dtype=np.int64)
+        self.block_table = np.full((max_num_reqs, num_kv_groups, -(-max_model_len // block_size)), null_block,
+                                   dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         # Sampling parameters per row.
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
@@ -82,16 +84,20 @@ class InputBatch:
         self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row], self.num_prompt_tokens[row] = n, new.num_prompt_tokens
         self.num_computed[row] = new.num_computed_tokens
-        self.block_table[row, :] = self.null_block
-        self.block_table[row, :len(new.block_ids)] = new.block_ids
-        self.num_blocks[row] = len(new.block_ids)
+        self.block_table[row] = self.null_block
+        for g, table in enumerate(new.block_tables):
+            self.block_table[row, g, :len(table)] = table
+        self.num_blocks[row] = len(new.block_tables[0]) if new.block_tables else 0
         self._set_sampling(row, new)
 
     def update(self, running: RunningRequestData) -> None:
         row = self.row_of[running.request_id]
         end = running.num_blocks
-        self.block_table[row, end:self.num_blocks[row]] = self.null_block  # released blocks, if any
-        self.block_table[row, end - len(running.new_block_ids):end] = running.new_block_ids
+        tables = self.block_table[row]
+        tables[:, end:self.num_blocks[row]] = self.null_block  # released blocks, if any
+        for g, (added, live_from) in enumerate(zip(running.new_block_ids, running.live_from)):
+            tables[g, end - len(added):end] = added
+            tables[g, :live_from] = self.null_block  # behind the group's window: back in the pool
         self.num_blocks[row] = end
         self.num_computed[row] = running.num_computed_tokens
 
@@ -183,14 +189,18 @@ class InputBatch:
         ends = starts + counts
         token_rows = np.repeat(rows, counts)
         positions = np.arange(cu[-1]) - np.repeat(cu - counts, counts) + np.repeat(starts, counts)
-        slot_mapping = self.block_table[token_rows, positions // self.block_size] * self.block_size \
-            + positions % self.block_size
+        # [G, T]: each group's slot of each token.
+        slot_mapping = (self.block_table[token_rows, :, positions // self.block_size] * self.block_size
+                        + (positions % self.block_size)[:, None]).T
         width = int(self.num_blocks[rows].max())
-        attention = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping), query_start_loc=[0, *cu.tolist()],
-            seq_lens=ends.tolist(), block_tables=self._to_device(self.block_table[rows, :width]),
-            block_size=self.block_size, decode_indices=np.flatnonzero(counts == 1).tolist(),
-            prefill_indices=np.flatnonzero(counts > 1).tolist())
+        tables = self.block_table[rows, :, :width]  # [B, G, width]
+        shared = dict(query_start_loc=[0, *cu.tolist()], seq_lens=ends.tolist(), block_size=self.block_size,
+                      decode_indices=np.flatnonzero(counts == 1).tolist(),
+                      prefill_indices=np.flatnonzero(counts > 1).tolist())
+        groups = [AttentionMetadata(slot_mapping=self._to_device(np.ascontiguousarray(slot_mapping[g])),
+                                    block_tables=self._to_device(np.ascontiguousarray(tables[:, g])), **shared)
+                  for g in range(len(slot_mapping))]
+        attention = groups[0] if len(groups) == 1 else dataclasses.replace(groups[0], groups=tuple(groups))
         return attention, token_rows, positions
 
     def num_slots(self, rows: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from tokenmill.kvcache.groups import KVGroups
 from tokenmill.sampling.params import SamplingParamError, SamplingParams
 from tokenmill.scheduler.output import TokenLogprobs
 
@@ -87,13 +88,23 @@ class EngineInfo:
     model_name: str
     max_model_len: int
     vocab_size: int
-    kv_capacity_tokens: int
-    kv_bytes_per_token: int
+    kv_capacity_tokens: int  # tokens the pool holds in one KV group's tables
+    kv_bytes_per_token: int  # every layer's K/V of one token (a request without windows)
     device: str
     dtype: str
     eos_token_ids: list[int] = field(default_factory=list)
     # Bytes of the model's weights as held (each parameter and quantized buffer once; oneDNN's packed copies aside).
     weight_bytes: int = 0
+    kv_groups: KVGroups | None = None  # the cache's layer groups (kvcache/groups.py); None: one full group
+    kv_block_size: int = 16
+
+    def kv_tokens_held(self, num_tokens: int) -> int:
+        """Of ``kv_capacity_tokens``, what a request of ``num_tokens`` tokens holds at most while it decodes: the
+        tokens themselves with one group; with sliding windows, its blocks in every group (window groups hold only
+        the window), fewer than ``num_tokens`` per group on average."""
+        if self.kv_groups is None or self.kv_groups.num_groups == 1 and not self.kv_groups.windows[0]:
+            return num_tokens
+        return self.kv_groups.blocks_for(num_tokens, self.kv_block_size) * self.kv_block_size
 
 
 class ContextLengthError(ValueError):

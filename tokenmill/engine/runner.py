@@ -35,7 +35,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.batch = InputBatch(max_num_seqs, max_model_len, kv_cache.spec.block_size, kv_cache.null_block,
-                                model.config.vocab_size, eos_token_ids, self.device)
+                                model.config.vocab_size, eos_token_ids, self.device, kv_cache.spec.groups.num_groups)
         self.sampler = Sampler(seed, self.device)
 
     def update_batch(self, out: SchedulerOutput) -> None:

@@ -30,6 +30,10 @@ class StepContext:
     meta: AttentionMetadata
     data: list[torch.Tensor]  # per layer, the cache layout of kvcache/cache.py
     scales: list[torch.Tensor | None]
+    group_of_layer: tuple[int, ...]  # per layer, its KV group (kvcache/groups.py): whose metadata it reads
+
+    def layer_meta(self, layer: int) -> AttentionMetadata:
+        return self.meta.for_group(self.group_of_layer[layer]) if self.group_of_layer else self.meta
 
 
 # Per thread: engines on different threads of one process (tests, --no-engine-process beside LLM) never share a step.
@@ -37,11 +41,12 @@ _local = threading.local()
 
 
 @contextmanager
-def attention_context(meta: AttentionMetadata, data: list[torch.Tensor], scales: list[torch.Tensor | None]
-                      ) -> Iterator[None]:
-    """Publish one step's metadata and cache to the attention ops for the duration of a forward."""
+def attention_context(meta: AttentionMetadata, data: list[torch.Tensor], scales: list[torch.Tensor | None],
+                      group_of_layer: tuple[int, ...] = ()) -> Iterator[None]:
+    """Publish one step's metadata and cache to the attention ops for the duration of a forward; with KV groups,
+    ``group_of_layer`` says which of ``meta``'s groups each layer reads (kernels/metadata.py)."""
     previous = getattr(_local, "step", None)
-    _local.step = StepContext(meta, data, scales)
+    _local.step = StepContext(meta, data, scales, tuple(group_of_layer))
     try:
         yield
     finally:
@@ -60,10 +65,10 @@ def _gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     """q [T, Hq, D], k/v [T, Hkv, D] (roped) -> [T, Hq, D]; writes k/v into layer ``layer``'s cache first.
     ``sinks``, ``window``, ``softcap``: kernels/attention_features.py."""
     step = _step()
-    data, scales = step.data[layer], step.scales[layer]
-    write_kv(data, scales, torch.cat([k, v], dim=1), step.meta.slot_mapping, backend=backend,
-             padded=step.meta.derived("padded_slots", lambda: bool((step.meta.slot_mapping < 0).any())))
-    return paged_attention(q, k, v, data, scales, step.meta, sm_scale, backend=backend,
+    data, scales, meta = step.data[layer], step.scales[layer], step.layer_meta(layer)
+    write_kv(data, scales, torch.cat([k, v], dim=1), meta.slot_mapping, backend=backend,
+             padded=meta.derived("padded_slots", lambda: bool((meta.slot_mapping < 0).any())))
+    return paged_attention(q, k, v, data, scales, meta, sm_scale, backend=backend,
                            features=AttentionFeatures(window, softcap, sinks))
 
 

@@ -32,8 +32,14 @@ class AttentionMetadata:
     decode_indices: list[int]
     # Indices of the other requests (prefill chunks), attended one by one.
     prefill_indices: list[int]
+    # With several KV groups (kvcache/groups.py): each group's metadata (its own slot_mapping and block_tables, the
+    # rest shared); self is groups[0]. Empty: one group, self.
+    groups: tuple["AttentionMetadata", ...] = ()
     _tensors: DeviceTensors | None = field(default=None, repr=False, compare=False)
     _derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        return self.groups[group] if self.groups else self
 
     def device_tensors(self, device: torch.device) -> DeviceTensors:
         """Built on first use and shared by every layer of the step (one host-to-device copy per step)."""

@@ -49,7 +49,8 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        with attention_context(meta, kv_cache.data, kv_cache.scales), linear_table(self.packed_linears):
+        with attention_context(meta, kv_cache.data, kv_cache.scales, kv_cache.group_of_layer), \
+                linear_table(self.packed_linears):
             if self.compiled_decoder is not None:
                 return self.compiled_decoder(input_ids, positions)
             return self.decoder(input_ids, positions)

@@ -8,7 +8,7 @@ router) are decided once. Pure Python: ``tokenmill plan`` imports it without tor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
 from tokenmill.models.families import GQA_FAMILIES, BlockStyle, block_style, rope_parameters, text_config
@@ -162,7 +162,8 @@ class ModelConfig:
         if self.mla:
             return KVCacheSpec(self.num_layers, 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim, dtype,
                                block_size)
-        return KVCacheSpec.for_gqa(self.num_layers, self.local_kv_heads(tp), self.head_dim, dtype, block_size)
+        return KVCacheSpec.for_gqa(self.num_layers, self.local_kv_heads(tp), self.head_dim, dtype, block_size,
+                                   self.style.layer_windows)
 
     def local_kv_heads(self, tp: int) -> int:
         """KV heads one of ``tp`` ranks holds: split when there are at least tp, else one (each replicated on
@@ -175,7 +176,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None,
-                tokenizer_eos_token_id: int | None = None) -> "ModelConfig":
+                tokenizer_eos_token_id: int | None = None, template_stop_ids: Sequence[int] = ()) -> "ModelConfig":
+        """``template_stop_ids``: the tokenizer's ids of the family's TEMPLATE_STOP_TOKENS (models/families.py)."""
         hf = text_config(hf)
         archs = hf.get("architectures") or ["LlamaForCausalLM"]
         architecture = next((a for a in archs if a in KNOWN_ARCHITECTURES), archs[0])
@@ -185,7 +187,7 @@ class ModelConfig:
         heads = hf["num_attention_heads"]
         mla = _mla(hf, architecture)
         eos = _ids(hf.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
-        eos += _ids(tokenizer_eos_token_id)
+        eos += _ids(tokenizer_eos_token_id) + list(template_stop_ids)
         quant = hf.get("quantization_config") or {}
         # MXFP4 experts (gpt-oss) are recognized by their tensors and dequantized at load (models/expert_weights.py).
         mxfp4 = quant.get("quant_method") == "mxfp4"

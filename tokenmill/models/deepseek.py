@@ -107,7 +107,9 @@ class DeepseekForCausalLM(DeepseekWeights, DecoderLM):
     def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int) -> KVCacheSpec:
         """The decoder layers' latent cache, plus one layer for the MTP module when it drafts."""
         spec = self.config.kv_cache_spec(dtype, block_size, self.tp.size)
-        return dataclasses.replace(spec, num_layers=spec.num_layers + 1) if self.mtp is not None else spec
+        if self.mtp is None:
+            return spec
+        return dataclasses.replace(spec, num_layers=spec.num_layers + 1, groups=None)  # one full group, the MTP too
 
     # --- multi-token prediction (drafts; speculative/mtp.py drives it)
     def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor,

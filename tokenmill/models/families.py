@@ -53,6 +53,23 @@ class BlockStyle:
         return self.layer_windows[layer] if self.layer_windows else 0
 
 
+# The special tokens that end a response in each family's chat template, served as EOS when the tokenizer has them
+# (beside every EOS of config.json and generation_config.json): a checkpoint without a generation config still stops
+# where its template ends a turn, and a tool call (gpt-oss's <|call|>, GLM's <|observation|>) ends the response.
+TEMPLATE_STOP_TOKENS: dict[str, tuple[str, ...]] = {
+    "LlamaForCausalLM": ("<|eot_id|>", "<|eom_id|>"),
+    "Qwen2ForCausalLM": ("<|im_end|>", "<|endoftext|>"),
+    "Qwen3ForCausalLM": ("<|im_end|>", "<|endoftext|>"),
+    "Qwen3MoeForCausalLM": ("<|im_end|>", "<|endoftext|>"),
+    "Glm4MoeForCausalLM": ("<|endoftext|>", "<|user|>", "<|observation|>"),
+    "GptOssForCausalLM": ("<|return|>", "<|call|>", "<|endoftext|>"),
+    "Gemma2ForCausalLM": ("<end_of_turn>", "<eos>"),
+    "Gemma3ForCausalLM": ("<end_of_turn>", "<eos>"),
+    "Gemma3ForConditionalGeneration": ("<end_of_turn>", "<eos>"),
+    "DeepseekV3ForCausalLM": ("<｜end▁of▁sentence｜>", "<|im_end|>"),  # DeepSeek-V3; Kimi-K2's template
+}
+
+
 def _rope(params: dict[str, Any], field: str) -> dict[str, Any]:
     params = dict(params)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"

@@ -11,12 +11,13 @@ renamed), so processes starting at once never read half of one.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tokenmill.models.paths import ModelLoadError, tokenizer_files
 
@@ -35,6 +36,8 @@ class Tokenizer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
+        if not gguf_file:
+            _refuse_remote_code(Path(directory))
         try:
             if gguf_file and cache_dir:
                 self.hf = _cached_gguf_tokenizer(Path(directory) / gguf_file, Path(cache_dir).expanduser())
@@ -57,6 +60,11 @@ class Tokenizer:
         weights or GGUF metadata."""
         return cls(*tokenizer_files(model), cache_dir)
 
+    def ids_of_tokens(self, tokens: Sequence[str]) -> list[int]:
+        """The ids of those of ``tokens`` that are whole tokens of this vocabulary (special or added ones)."""
+        vocab = self.hf.get_vocab()
+        return [vocab[token] for token in tokens if token in vocab]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
@@ -71,6 +79,29 @@ class Tokenizer:
                                                tokenize=False)
         # The template already holds the special tokens it needs (e.g. <|im_start|>).
         return self.encode(rendered, add_special_tokens=False)
+
+
+def _refuse_remote_code(directory: Path) -> None:
+    """A tokenizer that only the checkpoint's own Python code builds (``auto_map`` in tokenizer_config.json and no
+    tokenizer.json: Kimi-K2's tiktoken tokenizer, tokenization_kimi.py) is one clear error: tokenmill never runs a
+    checkpoint's code, and says how to write the tokenizer.json it reads instead."""
+    config_file = directory / "tokenizer_config.json"
+    if (directory / "tokenizer.json").exists() or not config_file.exists():
+        return
+    try:
+        auto = json.loads(config_file.read_text()).get("auto_map", {}).get("AutoTokenizer")
+    except (ValueError, AttributeError):
+        return  # transformers reports a broken file itself
+    if not auto:
+        return
+    code = (auto[0] if isinstance(auto, list) else auto).split(".")[0] + ".py"
+    raise ModelLoadError(
+        f"the tokenizer of {directory} is the checkpoint's own code ({code}, tokenizer_config.json's auto_map) and "
+        f"there is no tokenizer.json: tokenmill does not run a checkpoint's code. Once you have read {code}, write "
+        f"the tokenizer.json once with transformers: python -c \"from transformers import AutoTokenizer; "
+        f"AutoTokenizer.from_pretrained('{directory}', trust_remote_code=True, use_fast=True)"
+        f".save_pretrained('{directory}')\" (a tiktoken tokenizer such as Kimi-K2's needs `pip install tiktoken` "
+        f"for that), then start tokenmill again")
 
 
 def _load(directory: Path, gguf_file: str | None = None):

@@ -8,9 +8,10 @@
 Per step the runner learns:
 - ``new_requests``: requests entering its batch (first scheduled, or resumed after a preemption: then their tokens
   include the outputs so far, all recomputed);
-- ``running``: for requests already in its batch, the blocks added this step, the length of the block table after
-  them (shorter than the runner's plus the new ones when blocks that held only rejected drafts were released) and
-  how many tokens are computed;
+- ``running``: for requests already in its batch, the blocks added this step (per KV group: kvcache/groups.py), the
+  length of the block tables after them (shorter than the runner's plus the new ones when blocks that held only
+  rejected drafts were released), per group the first block it still holds (a window group's blocks before it went
+  back to the pool: their entries are the null block) and how many tokens are computed;
 - ``num_scheduled_tokens``: tokens to compute now per request, in the step's order (new and running alike);
 - ``spec_token_ids``: draft tokens per decoding request, verified this step: they follow its known tokens and count
   in its ``num_scheduled_tokens`` (1 + drafts);
@@ -34,16 +35,17 @@ class NewRequestData:
     token_ids: list[int]  # prompt + outputs so far
     num_prompt_tokens: int
     params: SamplingParams
-    block_ids: list[int]
+    block_tables: list[list[int]]  # per KV group (null-block entries behind a window)
     num_computed_tokens: int
 
 
 @dataclass
 class RunningRequestData:
     request_id: str
-    new_block_ids: list[int]  # the last len(new_block_ids) of its num_blocks blocks
+    new_block_ids: list[list[int]]  # per KV group: the last len(new_block_ids[g]) of its num_blocks blocks
     num_computed_tokens: int
     num_blocks: int
+    live_from: list[int]  # per KV group: entries before it are the null block
 
 
 @dataclass

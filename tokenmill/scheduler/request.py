@@ -46,11 +46,12 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     # Tokens whose K/V sit in the cache; 0 after a preemption (recompute).
     num_computed_tokens: int = 0
-    # Physical KV blocks, in logical order; they cover at least num_computed_tokens.
-    block_ids: list[int] = field(default_factory=list)
+    # Physical KV blocks per KV group (kvcache/groups.py), in logical order; they cover at least num_computed_tokens.
+    # [] while it holds none.
+    block_tables: list[list[int]] = field(default_factory=list)
     num_preemptions: int = 0
     # Prefix caching (kvcache/manager.py): hashes of the full blocks of all_token_ids seen so far; how many leading
-    # block_ids are in the prefix cache; prompt tokens found cached when first admitted (usage.cached_tokens).
+    # blocks are in the prefix cache; prompt tokens found cached when first admitted (usage.cached_tokens).
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     num_cached_tokens: int = 0

@@ -9,7 +9,9 @@ recomputed from its prompt and the outputs it already has.
 
 Admission looks up the request's leading full blocks in the prefix cache first (kvcache/manager.py): the blocks
 found become its computed prefix, so a prefix hit is just a request that starts with ``num_computed_tokens > 0``.
-After each step, the blocks a step completed are offered to the cache.
+After each step, the blocks a step completed are offered to the cache, then a sliding-window group's blocks that the
+next query's window no longer reaches go back to the pool (kvcache/groups.py: a request holds one block table per KV
+group).
 
 Speculative decoding is the same rule with more known tokens: a decoding request with draft tokens
 (``spec_token_ids``, proposed by the runner's proposer in the last step) is scheduled for its last token plus the
@@ -86,15 +88,16 @@ class Scheduler:
                 i += 1
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            known_blocks = len(request.block_ids)
+            known_blocks = self.kv.num_blocks_of(request)
             drafts = self._drafts(request, n, budget)
             if drafts and not self.kv.allocate_slots(request, n + len(drafts)):
                 drafts = []  # drafts are verified only where they fit: they never cost a preemption
             n += len(drafts)
             if not self._make_room(request, n, out):
                 break  # `request` itself was preempted; every request after it too.
-            out.running.append(RunningRequestData(request.request_id, request.block_ids[known_blocks:],
-                                                  request.num_computed_tokens, len(request.block_ids)))
+            out.running.append(RunningRequestData(
+                request.request_id, [table[known_blocks:] for table in request.block_tables],
+                request.num_computed_tokens, self.kv.num_blocks_of(request), self.kv.live_from(request)))
             out.num_scheduled_tokens[request.request_id] = n
             if drafts:
                 out.spec_token_ids[request.request_id] = drafts
@@ -107,7 +110,7 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             hits = self.kv.find_cached_prefix(request)
-            num_hit_tokens = len(hits) * self.kv.block_size
+            num_hit_tokens = len(hits[0]) * self.kv.block_size if hits else 0
             n = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(request, n, hits):
                 break
@@ -120,7 +123,7 @@ class Scheduler:
             self.running.append(request)
             out.new_requests.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens, request.sampling_params,
-                list(request.block_ids), request.num_computed_tokens))
+                [list(table) for table in request.block_tables], request.num_computed_tokens))
             out.num_scheduled_tokens[request.request_id] = n
             budget -= n
         if self.num_lookahead_tokens:
@@ -133,16 +136,19 @@ class Scheduler:
         diffs = {d.request_id: d for d in (*out.new_requests, *out.running)}
         for request_id, n in out.num_scheduled_tokens.items():
             request, diff = self.requests[request_id], diffs[request_id]
-            known = len(request.block_ids)
+            known = self.kv.num_blocks_of(request)
             samples = request.num_computed_tokens + n >= request.num_tokens
             if not samples or not self.kv.allocate_slots(request, n + self.num_lookahead_tokens):
                 continue
-            added = request.block_ids[known:]
+            if self.kv.num_blocks_of(request) == known:
+                continue
+            added = [table[known:] for table in request.block_tables]
             if isinstance(diff, NewRequestData):
-                diff.block_ids.extend(added)
-            elif added:
-                diff.new_block_ids = diff.new_block_ids + added
-                diff.num_blocks = len(request.block_ids)
+                for table, more in zip(diff.block_tables, added):
+                    table.extend(more)
+            else:
+                diff.new_block_ids = [old + more for old, more in zip(diff.new_block_ids, added)]
+                diff.num_blocks = self.kv.num_blocks_of(request)
 
     @staticmethod
     def _drafts(request: Request, num_new_tokens: int, budget: int) -> list[int]:
@@ -207,6 +213,7 @@ class Scheduler:
             if status is None and request_id in result.sampled:
                 request.spec_token_ids = reports.drafts.get(request_id, result.drafts.get(request_id, []))
             self.kv.cache_computed_blocks(request)
+            self.kv.free_behind_window(request)
             if status is not None:
                 self.finish(request, status)
             if request_id in result.sampled:
@@ -276,17 +283,11 @@ class Scheduler:
         """Assert the invariants between requests and the pool: every block's reference count is the number of
         running requests holding it; waiting requests hold none; a running request's blocks cover its computed
         tokens, and its leading cached blocks hold exactly its tokens."""
-        pool, size = self.kv.pool, self.kv.block_size
+        pool = self.kv.pool
         pool.check_integrity()
         holders = [0] * pool.num_blocks
         for request in self.running:
-            assert len(set(request.block_ids)) == len(request.block_ids), "a request holds a block twice"
-            assert len(request.block_ids) * size >= request.num_computed_tokens, "computed tokens without blocks"
-            for i, block_id in enumerate(request.block_ids):
-                holders[block_id] += 1
-                block = pool.blocks[block_id]
-                if i < request.num_cached_blocks and block.token_ids is not None:
-                    assert list(block.token_ids) == request.all_token_ids[i * size:(i + 1) * size], "cache mismatch"
+            self.kv.check_tables(request, holders)
         for request in self.waiting:
-            assert not request.block_ids and request.num_computed_tokens == 0, "a waiting request holds blocks"
+            assert not request.block_tables and request.num_computed_tokens == 0, "a waiting request holds blocks"
         assert holders == [b.ref_cnt for b in pool.blocks], "reference counts differ from the holders"

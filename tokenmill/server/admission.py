@@ -32,8 +32,10 @@ class Reservation:
 
 class Admission:
     def __init__(self, limit: int, window: float = 30.0, max_retry_after: int = 60,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, kv_tokens: Callable[[int], int] = lambda n: n):
         self.limit, self.window, self.max_retry_after, self.clock = limit, window, max_retry_after, clock
+        # What a request of n tokens holds of the KV cache (EngineInfo.kv_tokens_held: fewer with sliding windows).
+        self.kv_tokens = kv_tokens
         self.promised_tokens = 0
         self.num_reserved = 0  # reservations not yet released
         self._released: deque[tuple[float, int]] = deque()  # (time, tokens) within the window

@@ -77,7 +77,8 @@ def _loader(config: EngineConfig, clients: list[EngineClient], on_failure: Calla
         client.on_failure = on_failure
         clients.append(client)  # stopped at exit, also when it never became ready
         info = client.start()
-        admission = Admission(int(info.kv_capacity_tokens * config.admission_overcommit))
+        admission = Admission(int(info.kv_capacity_tokens * config.admission_overcommit),
+                              kv_tokens=info.kv_tokens_held)
         log.info("serving %s: KV cache %d tokens, admission limit %d promised tokens", info.model_name,
                  info.kv_capacity_tokens, admission.limit)
         tool_format = detect_format(client.chat_template, config.tool_call_parser)

@@ -65,7 +65,7 @@ def make_requests(ctx: ServerContext, prompts: list[list[int]], params: Sampling
             ctx.metrics.reject("context_length")
             raise bad_request(str(exc), param=prompt_param, code="context_length_exceeded") from None
         raise bad_request(str(exc), param=prompt_param) from None
-    promise = sum(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    promise = sum(ctx.admission.kv_tokens(len(r.prompt_token_ids) + r.max_tokens) for r in requests)
     reservation = ctx.admission.reserve(promise)
     if reservation is None:
         ctx.metrics.reject("admission")
