@@ -27,20 +27,29 @@ def test_deepseek_v3_latent_cache():
     assert mha_equivalent_bytes_per_token(c, "bf16") / kv_spec(c, "bf16").bytes_per_token == pytest.approx(71.1, 0.01)
 
 
-@pytest.mark.parametrize("name", ["llama-3-8b", "smollm2-135m", "deepseek-v2-lite", "deepseek-v3"])
-def test_parameter_count_matches_transformers(name):
+def _transformers_model(name: str):
+    """The preset as transformers builds it, on the meta device, with at most 4 layers (the count is per layer)."""
     import transformers
 
     c = dict(PRESETS[name])
     arch = c.pop("architectures")[0]
-    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
-                  "DeepseekV3ForCausalLM": transformers.DeepseekV3Config}[arch]
-    # Fewer layers keep the meta-device build fast; the count is per layer anyway.
     c["num_hidden_layers"] = min(c["num_hidden_layers"], 4)
-    config = config_cls(**c)
+    if "layer_types" in c:
+        c["layer_types"] = c["layer_types"][:4]
+    model_type = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                  "Glm4MoeForCausalLM": "glm4_moe", "GptOssForCausalLM": "gpt_oss", "Gemma3ForCausalLM": "gemma3_text",
+                  "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}[arch]
     with torch.device("meta"):
-        model = getattr(transformers, arch)(config)
-    assert num_parameters({**c, "architectures": [arch]}) == model.num_parameters()
+        model = getattr(transformers, arch)(transformers.AutoConfig.for_model(model_type, **c))
+    return {**c, "architectures": [arch]}, model
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_parameter_count_matches_transformers(name):
+    config, model = _transformers_model(name)
+    # The routers' correction biases (GLM, DeepSeek-V3) are buffers in transformers, parameters here.
+    biases = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert num_parameters(config) == model.num_parameters() + biases
 
 
 def test_matches_the_engine_allocation(smollm_llm):
@@ -58,8 +67,10 @@ def _shard_numel(name: str, numel: int, tp: int, kv_heads: int) -> float:
     """One rank's share of a named parameter of a transformers model, by the usual tensor/expert-parallel split:
     read off the module names, not from the planner's formulas."""
     leaf = name.split(".")[-2] if name.endswith((".weight", ".bias")) else name.split(".")[-1]
+    if name.endswith("o_proj.bias"):
+        return numel  # a row-parallel layer's bias: whole on every rank (added once, after the all-reduce)
     if ".experts." in name or leaf in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_b_proj",
-                                       "kv_b_proj", "embed_tokens", "lm_head", "gate_up_proj"):
+                                       "kv_b_proj", "embed_tokens", "lm_head", "gate_up_proj", "sinks"):
         return numel / tp
     if leaf in ("k_proj", "v_proj"):
         return numel * max(1, kv_heads // tp) / kv_heads
@@ -67,24 +78,20 @@ def _shard_numel(name: str, numel: int, tp: int, kv_heads: int) -> float:
 
 
 @pytest.mark.parametrize("name, tps", [("llama-3-8b", [1, 2, 8, 16]), ("smollm2-135m", [3]),
-                                       ("deepseek-v2-lite", [2, 4]), ("deepseek-v3", [8])])
+                                       ("deepseek-v2-lite", [2, 4]), ("deepseek-v3", [8]), ("qwen3-30b-a3b", [2, 4]),
+                                       ("gpt-oss-20b", [2, 8]), ("gemma-3-27b", [2])])
 def test_per_rank_parameters_match_the_split_of_the_real_modules(name, tps):
-    import transformers
-
     from tokenmill.bench.plan import rank_parameters
 
-    c = dict(PRESETS[name])
-    arch = c.pop("architectures")[0]
-    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
-                  "DeepseekV3ForCausalLM": transformers.DeepseekV3Config}[arch]
-    c["num_hidden_layers"] = min(c["num_hidden_layers"], 4)
-    with torch.device("meta"):
-        model = getattr(transformers, arch)(config_cls(**c))
-    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    config, model = _transformers_model(name)
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    tied = config.get("tie_word_embeddings", False)
     for tp in tps:
-        shares = sum(_shard_numel(n, p.numel(), tp, kv_heads) for n, p in model.named_parameters())
+        shares = sum(_shard_numel(n, p.numel(), tp, kv_heads) for n, p in model.named_parameters()
+                     if not (tied and n == "lm_head.weight"))
+        shares += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
         # The planner pads the vocabulary to a multiple of tp (vocab-parallel shards): < 2 rows of hidden_size apart.
-        assert rank_parameters({**c, "architectures": [arch]}, tp) == pytest.approx(shares, abs=2 * c["hidden_size"])
+        assert rank_parameters(config, tp) == pytest.approx(shares, abs=2 * config["hidden_size"])
 
 
 def test_per_rank_kv_cache():
@@ -117,3 +124,18 @@ def test_quantized_weight_bytes_match_the_served_engine(tmp_path, smollm_llm, mo
     plan = Plan("tiny", config, context=256, memory=GiB, utilization=0.9)
     assert plan.weight_bytes(mode) == llm.engine.info.weight_bytes
     assert plan.weight_bytes(mode) < plan.weight_bytes("bf16")
+
+
+@pytest.mark.parametrize("name, full_layers, window_layers, window", [("gemma-3-27b", 10, 52, 1024),
+                                                                      ("gpt-oss-20b", 12, 12, 128)])
+def test_a_sequence_holds_only_the_window_of_its_sliding_layers(name, full_layers, window_layers, window):
+    plan = Plan(name, PRESETS[name], context=8192, memory=141 * 10**9, utilization=0.9)
+    c = PRESETS[name]
+    per_layer_token = 2 * c["num_key_value_heads"] * c["head_dim"] * 2  # K and V, bf16
+    assert plan.kv_bytes_per_token("bf16") == (full_layers + window_layers) * per_layer_token
+    ideal = per_layer_token * (full_layers * 8192 + window_layers * window)
+    per_sequence = plan.kv_bytes_per_sequence("bf16")
+    # Above the ideal only by what the blocks round up: padded groups, the block the next query falls in.
+    assert ideal <= per_sequence <= ideal * 1.06
+    free = int(141 * 10**9 * 0.9) - plan.weight_bytes("bf16")
+    assert plan.sequences_that_fit("bf16", "bf16") == free // per_sequence
