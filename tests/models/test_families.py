@@ -59,7 +59,7 @@ def test_served_greedy_text_equals_transformers(tmp_path, smollm_llm, family):
         assert metric(root, "tokenmill:num_preemptions") >= 1
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "gpt-oss"])  # dense Qwen3 splits as Llama does (its q/k norms are per head, replicated)
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe", "gpt-oss"])
 def test_two_ranks_equal_transformers(tmp_path, smollm_llm, family):
     from tests.engine.test_tensor_parallel import two_ranks_match
 

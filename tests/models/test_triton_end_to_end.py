@@ -63,6 +63,7 @@ def test_engine_batch_on_triton_matches_torch(tiny_model, monkeypatch):
     assert set(calls) == expected  # every layer kind really ran its Triton kernel
 
 
+@pytest.mark.parametrize("tiny_model", ["dense-gqa"], indirect=True)  # the flag's plumbing; the kernels: above
 def test_served_on_triton_matches_torch(tmp_path, tiny_model):
     import openai
 
@@ -138,3 +139,16 @@ def test_autotune_mode_measures_moe_configs_once_and_keeps_them(tmp_path, smollm
     again = LLM(model=str(path), **options).generate(PROMPTS[:2], GREEDY)  # a new engine: read, not measured
     assert table_file.stat().st_mtime_ns == stamp and json.loads(table_file.read_text()) == table
     assert [r.token_ids for r in again] == [r.token_ids for r in first]
+
+
+def test_qwen3_moe_experts_on_triton_match_torch(tmp_path, smollm_llm, monkeypatch):
+    """Qwen3-MoE's softmax top-k routing feeds the Triton fused-MoE kernel (interpreted): the same greedy tokens."""
+    from tests.family_checkpoints import make_family_checkpoint
+
+    make_family_checkpoint(tmp_path, smollm_llm.tokenizer.hf, "qwen3-moe")
+    prompts, greedy = PROMPTS[1:3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)  # interpreted: slow
+    want = [r.token_ids for r in LLM(model=str(tmp_path), kernel_backend="torch", **ENGINE).generate(prompts, greedy)]
+    calls = count_triton_calls(monkeypatch)
+    got = [r.token_ids for r in LLM(model=str(tmp_path), kernel_backend="triton", **ENGINE).generate(prompts, greedy)]
+    assert got == want
+    assert {"fused_moe_triton", "paged_attention_triton", "write_kv_triton"} <= set(calls)

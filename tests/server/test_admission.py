@@ -50,3 +50,18 @@ def test_an_idle_server_admits_any_promise():
     assert big and admission.saturation == 100.0 and not admission.reserve(1)
     big.release()
     assert admission.reserve(1000)
+
+
+def test_promises_count_what_a_windowed_request_holds():
+    """gpt-oss-like layers (window 8, full) in blocks of 4: a 100-token request holds 25 blocks of the full group and
+    the 2 blocks of positions 92..99 in the window group, 108 pool tokens, not 2 x 100."""
+    from tokenmill.engine.messages import EngineInfo
+    from tokenmill.kvcache.groups import KVGroups
+
+    groups = KVGroups.for_layers([8, 0, 8, 0])
+    info = EngineInfo("m", 128, 10, kv_capacity_tokens=220, kv_bytes_per_token=1, device="cpu", dtype="fp32",
+                      kv_groups=groups, kv_block_size=4)
+    assert (groups.num_groups, info.kv_tokens_held(100)) == (2, (25 + 2) * 4)
+    admission = Admission(limit=info.kv_capacity_tokens, kv_tokens=info.kv_tokens_held)
+    assert admission.reserve(admission.kv_tokens(100)) and admission.reserve(admission.kv_tokens(100))
+    assert EngineInfo("m", 128, 10, 220, 1, "cpu", "fp32").kv_tokens_held(100) == 100  # one full group: the tokens
