@@ -5,8 +5,9 @@ parameters; a step reads the scheduled rows with vectorized gathers, so it alloc
 beyond the diff. Rows are reused through a free list; row order means nothing (the step's order is the scheduler's).
 
 Invariants: ``token_ids[r, :num_tokens[r]]`` are row r's known tokens, followed during a step by its
-``num_drafts[r]`` draft tokens (speculative decoding); ``block_table[r, g, :num_blocks[r]]`` its blocks in KV group g
-(kvcache/groups.py; the rest, and a window group's blocks behind its window, point at the null block); ``output_counts[r]`` (when row r is penalized) counts its sampled tokens.
+``num_drafts[r]`` draft tokens (speculative decoding); ``block_table[r, g, :num_blocks[r]]`` its blocks in KV group
+g (kvcache/groups.py; the rest, and a window group's blocks behind its window, point at the null block);
+``output_counts[r]`` (when row r is penalized) counts its sampled tokens.
 """
 
 from __future__ import annotations

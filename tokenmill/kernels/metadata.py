@@ -33,7 +33,7 @@ class AttentionMetadata:
     # Indices of the other requests (prefill chunks), attended one by one.
     prefill_indices: list[int]
     # With several KV groups (kvcache/groups.py): each group's metadata (its own slot_mapping and block_tables, the
-    # rest shared); self is groups[0]. Empty: one group, self.
+    # rest shared); self carries group 0's. Empty: one group, self.
     groups: tuple["AttentionMetadata", ...] = ()
     _tensors: DeviceTensors | None = field(default=None, repr=False, compare=False)
     _derived: dict = field(default_factory=dict, repr=False, compare=False)

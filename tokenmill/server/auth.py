@@ -28,13 +28,15 @@ class Authenticator:
     def __init__(self, keys: dict[str, str]):
         self.keys = keys
 
-    def check(self, authorization: str | None) -> str | None:
-        """The caller's key name (None when auth is off); raises a 401 APIError for a missing or wrong key."""
+    def check(self, authorization: str | None, x_api_key: str | None = None) -> str | None:
+        """The caller's key name (None when auth is off) from ``Authorization: Bearer KEY`` or (Anthropic's clients)
+        ``x-api-key: KEY``; raises a 401 APIError for a missing or wrong key."""
         if not self.keys:
             return None
         scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() == "bearer":
+        offered = [t for t in (token.strip() if scheme.lower() == "bearer" else None, x_api_key) if t]
+        for candidate in offered:
             for key, name in self.keys.items():
-                if hmac.compare_digest(token.strip().encode(), key.encode()):
+                if hmac.compare_digest(candidate.encode(), key.encode()):
                     return name
         raise APIError(401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key")

@@ -68,7 +68,7 @@ async def render_chat(ctx: ServerContext, messages: list[ChatMessage], tools: li
 
 
 async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name: str | None,
-                       arrival: float) -> Tracker:
+                       arrival: float, endpoint: str = "chat") -> Tracker:
     _reject_unsupported(body)
     constraint = requested_grammar(body)
     if constraint is not None and body.tools and body.tool_choice != "none":
@@ -84,7 +84,7 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
     requests, reservation = make_requests(ctx, [prompt], params, "messages", arrival, body.cache_salt)
-    return Tracker(ctx, "chat", arrival, key_name, requests, reservation, tools=plan,
+    return Tracker(ctx, endpoint, arrival, key_name, requests, reservation, tools=plan,
                    grammar_param="tools" if plan.grammar else constraint[0] if constraint else None)
 
 

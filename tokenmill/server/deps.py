@@ -41,15 +41,17 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.tokenmill
 
 
-def api_key(state: ServerState = Depends(server_state), authorization: str | None = Header(None)) -> str | None:
+def api_key(state: ServerState = Depends(server_state), authorization: str | None = Header(None),
+            x_api_key: str | None = Header(None)) -> str | None:
     """The caller's key name (None when auth is off); a 401 for a missing or wrong key."""
-    return state.auth.check(authorization)
+    return state.auth.check(authorization, x_api_key)
 
 
-def operator_key(state: ServerState = Depends(server_state), authorization: str | None = Header(None)) -> None:
+def operator_key(state: ServerState = Depends(server_state), authorization: str | None = Header(None),
+                 x_api_key: str | None = Header(None)) -> None:
     """/health, /ready and /metrics: open, unless auth_all_endpoints asks for a key there too."""
     if state.auth_all_endpoints:
-        state.auth.check(authorization)
+        state.auth.check(authorization, x_api_key)
 
 
 def ready_context(state: ServerState = Depends(server_state), _: str | None = Depends(api_key)) -> ServerContext:

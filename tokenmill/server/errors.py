@@ -22,8 +22,22 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        """Anthropic's shape, for /v1/messages: ``{"type": "error", "error": {"type", "message"}}``."""
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        message = f"{self.param}: {self.message}" if self.param and not self.message.startswith(self.param) \
+            else self.message
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """OpenAI's shape, or Anthropic's for a request to its API (``path`` under /v1/messages)."""
+        anthropic = path.startswith("/v1/messages")
+        return JSONResponse(self.anthropic_body() if anthropic else self.body(), status_code=self.status,
+                            headers=self.headers)
+
+
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -37,31 +51,34 @@ def _validation_param(loc: tuple) -> str | None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        if first.get("type") == "json_invalid":
-            return bad_request(f"request body is not valid JSON: {first.get('msg')}").response()
-        param = _validation_param(tuple(first.get("loc", ())))
-        unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
-        if unknown:  # OpenAI's words for a field it does not know
-            names = ", ".join(str(e["loc"][-1]) for e in unknown)
-            param = _validation_param(tuple(unknown[0]["loc"]))
-            return bad_request(f"Unrecognized request argument supplied: {names}", param=param).response()
-        message = "; ".join(f"{_validation_param(tuple(e['loc'])) or 'body'}: {e['msg']}" for e in errors[:5])
-        return bad_request(message, param=param).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), kind).response()
+        return APIError(exc.status_code, str(exc.detail), kind).response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return APIError(500, "internal error", "server_error").response()
+        return APIError(500, "internal error", "server_error").response(request.url.path)
 
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {first.get('msg')}")
+    param = _validation_param(tuple(first.get("loc", ())))
+    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:  # OpenAI's words for a field it does not know
+        names = ", ".join(str(e["loc"][-1]) for e in unknown)
+        param = _validation_param(tuple(unknown[0]["loc"]))
+        return bad_request(f"Unrecognized request argument supplied: {names}", param=param)
+    message = "; ".join(f"{_validation_param(tuple(e['loc'])) or 'body'}: {e['msg']}" for e in errors[:5])
+    return bad_request(message, param=param)

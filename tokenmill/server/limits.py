@@ -72,4 +72,4 @@ class BodySizeLimit:
     async def _refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
         error = bad_request(f"the request body is larger than this server's limit of {self.limit} bytes",
                             code="request_too_large")
-        await error.response()(scope, receive, send)
+        await error.response(scope.get("path", ""))(scope, receive, send)

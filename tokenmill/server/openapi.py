@@ -107,6 +107,32 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicMessage(BaseModel):
+    """Without ``stream``; with it, ``text/event-stream`` of Anthropic's named events (message_start ... message_stop)."""
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]  # text and tool_use blocks
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: dict[str, int]
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
+
+
 _ERRORS = {400: "invalid request (OpenAI's invalid_request_error; `param` names the field)",
            401: "missing or unknown API key", 404: "unknown model", 429: "at capacity; see the Retry-After header",
            500: "the engine failed while generating", 503: "loading, draining, or the engine has failed"}
@@ -114,6 +140,11 @@ _ERRORS = {400: "invalid request (OpenAI's invalid_request_error; `param` names 
 
 def error_responses(*statuses: int) -> dict[int, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
+
+
+def anthropic_error_responses(*statuses: int) -> dict[int, dict[str, Any]]:
+    """The same statuses with Anthropic's error body (its API: /v1/messages...)."""
+    return {s: {"model": AnthropicErrorResponse, "description": _ERRORS[s]} for s in statuses}
 
 
 def install_openapi(app: FastAPI) -> None:

@@ -46,15 +46,15 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     return None
 
 
-async def respond(request: Request, tracker: Tracker, stream: AsyncIterator[str] | None,
+async def respond(request: Request, tracker: Tracker, stream: AsyncIterator[str | dict] | None,
                   make_body: Callable[[], Awaitable[dict]]) -> Any:
     """The stream as SSE events, or the body (499 when the client left first). From here on the response owns the
     tracker: every way out closes it once."""
     if stream is not None:
         async def logged():
             try:
-                async for data in stream:
-                    yield {"data": data}
+                async for data in stream:  # a data payload, or a whole event (Anthropic's have names)
+                    yield data if isinstance(data, dict) else {"data": data}
             finally:
                 tracker.log_line(200)
         return _ClosingEventSource(logged(), tracker)
