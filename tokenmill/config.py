@@ -28,7 +28,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
 # Fields only `tokenmill serve` uses; the other commands take the rest.
 SERVER_FIELDS = frozenset({"host", "port", "served_model_name", "api_key", "api_key_file", "auth_all_endpoints",
                            "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json", "engine_process",
-                           "tool_call_parser", "max_request_body_bytes", "max_n", "max_stop_sequences",
+                           "tool_call_parser", "reasoning_parser", "max_request_body_bytes", "max_n", "max_stop_sequences",
                            "max_stop_length", "max_logit_bias", "max_stop_token_ids", "max_prompts", "max_tools"})
 
 
@@ -147,6 +147,9 @@ class EngineConfig(BaseSettings):
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "deepseek_v3"] = Field(
         "auto", description="the model's tool-call format; auto = read from its chat template (hermes when it has "
                             "none)")
+    reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3", "glm45"] = Field(
+        "auto", description="how the model's thinking is split from its answer (reasoning_content); auto = from its "
+                            "chat template (none when it has no <think>)")
     # --- request limits (each a 400 naming the parameter)
     max_request_body_bytes: int = Field(4 * 2**20, gt=0, description="largest request body (accepts '4MiB')")
     max_n: int = Field(16, gt=0, description="most choices (n) per prompt")

@@ -11,8 +11,10 @@ auto / any / tool / none -> auto / required / the named function / none, ``disab
 Streams send Anthropic's events: message_start, ping, content_block_start / _delta (text_delta, input_json_delta) /
 _stop per block, message_delta (stop_reason, usage), message_stop; an error after the start is an ``error`` event.
 
-``output_config.format`` (a JSON schema) constrains the answer through the structured-output path. Not served yet:
-``thinking`` enabled (refused with a 400 that says so), image and document blocks, server tools.
+``output_config.format`` (a JSON schema) constrains the answer through the structured-output path. A reasoning
+model's thinking (--reasoning-parser) comes first as a ``thinking`` block (``thinking_delta`` events; its signature is
+empty: nothing here signs it). Not served yet: ``thinking`` enabled as a request field (a 400 that says so: the budget
+is not mapped yet), image and document blocks, server tools.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tokenmill.server.chat import prepare_chat, render_chat
+from tokenmill.server.chat import prepare_chat, render_chat, split_reasoning
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.limits import check_limits
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
 from tokenmill.server.serving import ServerContext, Tracker, merged_outputs
 from tokenmill.tools.parser import ToolCallParser
+from tokenmill.tools.reasoning import ReasoningParser
 
 
 class _Strict(BaseModel):  # Anthropic's API refuses fields it does not know too
@@ -221,15 +224,18 @@ async def messages_response(ctx: ServerContext, body: MessagesRequest, tracker: 
         tracker.observe(out)
         text += out.delta_text
         reason, stop = out.finish_reason, out.stop_reason
+    thinking, text = split_reasoning(ctx, text)
     parser = None
     if tracker.tools.active:
         parser = ToolCallParser(ctx.tool_format)
         parser.feed(text)
         parser.finish()
         text = parser.content
-    content = [{"type": "text", "text": text}] if text or not (parser and parser.calls) else []
+    content = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
+    calls = parser.calls if parser else []
+    content += [{"type": "text", "text": text}] if text or not (content or calls) else []
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)}
-                for c in (parser.calls if parser else [])]
+                for c in calls]
     return _message(ctx, content, _stop(reason, stop, parser), _usage(tracker))
 
 
@@ -244,32 +250,48 @@ async def messages_stream(ctx: ServerContext, body: MessagesRequest, tracker: Tr
     yield _event("message_start", message=start)
     yield _event("ping")
     parser = ToolCallParser(ctx.tool_format) if tracker.tools.active else None
+    reasoner = ReasoningParser(ctx.reasoning) if ctx.reasoning else None
     block: int | None = None  # the open block's index
     kind = None  # its type
     count, reason, stop = 0, None, None
+
+    def open_block(new_kind: str, content_block: dict) -> list[dict]:
+        nonlocal block, kind, count
+        events = [] if block is None else close_block()
+        block, kind, count = count, new_kind, count + 1
+        return events + [_event("content_block_start", index=block, content_block=content_block)]
+
+    def close_block() -> list[dict]:
+        signature = [_event("content_block_delta", index=block, delta={"type": "signature_delta", "signature": ""})]
+        return (signature if kind == "thinking" else []) + [_event("content_block_stop", index=block)]
+
     try:
         async for _, out in merged_outputs(ctx.client, tracker.requests):
             tracker.observe(out)
-            text, calls = out.delta_text, []
+            thinking, answer = "", out.delta_text
+            if reasoner is not None:
+                thinking, answer = reasoner.step(answer, out.finished)
+            if thinking:
+                if kind != "thinking":
+                    for event in open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+                        yield event
+                yield _event("content_block_delta", index=block, delta={"type": "thinking_delta", "thinking": thinking})
+            text, calls = answer, []
             if parser is not None:
-                text, calls = parser.feed(out.delta_text)
+                text, calls = parser.feed(answer)
                 if out.finished:
                     more, late = parser.finish()
                     text, calls = text + more, calls + late
             if text and kind != "text":
-                block, kind = count, "text"
-                count += 1
-                yield _event("content_block_start", index=block, content_block={"type": "text", "text": ""})
+                for event in open_block("text", {"type": "text", "text": ""}):
+                    yield event
             if text:
                 yield _event("content_block_delta", index=block, delta={"type": "text_delta", "text": text})
             for call in calls:
                 if call.id is not None:  # a new call: its block opens after the one before closes
-                    if block is not None:
-                        yield _event("content_block_stop", index=block)
-                    block, kind = count, "tool_use"
-                    count += 1
-                    yield _event("content_block_start", index=block, content_block={
-                        "type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+                    for event in open_block("tool_use", {"type": "tool_use", "id": call.id, "name": call.name,
+                                                         "input": {}}):
+                        yield event
                 if call.arguments:
                     yield _event("content_block_delta", index=block,
                                  delta={"type": "input_json_delta", "partial_json": call.arguments})
@@ -279,7 +301,8 @@ async def messages_stream(ctx: ServerContext, body: MessagesRequest, tracker: Tr
         yield {"event": "error", "data": json.dumps(exc.anthropic_body())}
         return
     if block is not None:
-        yield _event("content_block_stop", index=block)
+        for event in close_block():
+            yield event
     stop_reason, sequence = _stop(reason, stop, parser)
     yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": sequence}, usage=_usage(tracker))
     yield _event("message_stop")

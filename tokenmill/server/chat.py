@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions, streaming (SSE) and not; tool calls in both."""
+"""POST /v1/chat/completions, streaming (SSE) and not; tool calls in both, and the thinking of a reasoning model as
+``reasoning_content`` apart from the answer (tools/reasoning.py; tool calls are read from the answer only)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tokenmill.server.structured import check, requested_grammar
 from tokenmill.server.tool_calls import ToolPlan, plan_tools, tool_calls_message
 from tokenmill.tools.parser import ToolCallParser
 from tokenmill.tools.prompt import render_messages
+from tokenmill.tools.reasoning import ReasoningParser
 
 
 def _reject_unsupported(body: ChatCompletionRequest) -> None:
@@ -88,6 +90,16 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name
                    grammar_param="tools" if plan.grammar else constraint[0] if constraint else None)
 
 
+def split_reasoning(ctx: ServerContext, text: str) -> tuple[str | None, str]:
+    """A whole output's thinking (None when there is none, or no reasoning format) and its answer."""
+    if ctx.reasoning is None:
+        return None, text
+    split = ReasoningParser(ctx.reasoning)
+    split.feed(text)
+    split.finish()
+    return split.reasoning or None, split.content
+
+
 def _finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
     return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
 
@@ -103,13 +115,16 @@ async def chat_response(ctx: ServerContext, body: ChatCompletionRequest, tracker
         reasons[index] = out.finish_reason
     choices = []
     for i, text in enumerate(texts):
+        reasoning, text = split_reasoning(ctx, text)
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         parser = None
-        if tracker.tools.active:
+        if tracker.tools.active:  # tool calls are read from the answer only, never from the thinking
             parser = ToolCallParser(ctx.tool_format)
             parser.feed(text)
             parser.finish()
             message = tool_calls_message(parser)
+        if ctx.reasoning is not None:
+            message["reasoning_content"] = reasoning
         choices.append({"index": i, "message": message, "logprobs": {"content": logprobs[i]} if body.logprobs
                         else None, "finish_reason": _finish_reason(reasons[i], parser)})
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -126,6 +141,7 @@ async def chat_stream(ctx: ServerContext, body: ChatCompletionRequest, tracker: 
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": ctx.model_name, "system_fingerprint": None}
     parsers = [ToolCallParser(ctx.tool_format) if tracker.tools.active else None for _ in tracker.requests]
+    reasoners = [ReasoningParser(ctx.reasoning) if ctx.reasoning else None for _ in tracker.requests]
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
@@ -141,9 +157,14 @@ async def chat_stream(ctx: ServerContext, body: ChatCompletionRequest, tracker: 
         async for index, out in merged_outputs(ctx.client, tracker.requests):
             tracker.observe(out)
             lps = await chat_logprobs(ctx.client, out) if body.logprobs else None
-            content, calls, parser = out.delta_text, [], parsers[index]
+            answer, reasoner = out.delta_text, reasoners[index]
+            if reasoner is not None:
+                thinking, answer = reasoner.step(answer, out.finished)
+                if thinking:
+                    yield chunk(index, {"reasoning_content": thinking})
+            content, calls, parser = answer, [], parsers[index]
             if parser is not None:
-                content, calls = parser.feed(out.delta_text)
+                content, calls = parser.feed(answer)
                 if out.finished:
                     content += parser.finish()[0]
             if calls and (content or lps):  # text before a call comes before it

@@ -31,6 +31,7 @@ from tokenmill.server.auth import Authenticator, load_keys
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.serving import ServerContext
 from tokenmill.tools.formats import detect_format
+from tokenmill.tools.reasoning import detect_reasoning
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,10 @@ def _loader(config: EngineConfig, clients: list[EngineClient], on_failure: Calla
         log.info("serving %s: KV cache %d tokens, admission limit %d promised tokens", info.model_name,
                  info.kv_capacity_tokens, admission.limit)
         tool_format = detect_format(client.chat_template, config.tool_call_parser)
-        log.info("tool calls: %s format", tool_format.name)
+        reasoning = detect_reasoning(client.chat_template, config.reasoning_parser)
+        log.info("tool calls: %s format; reasoning: %s", tool_format.name, reasoning.name if reasoning else "none")
         return ServerContext(client, Metrics(client, admission, info.model_name), info.model_name, config, admission,
-                             tool_format)
+                             tool_format, reasoning)
     return load
 
 

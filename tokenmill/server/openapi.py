@@ -38,6 +38,7 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (--reasoning-parser)
 
 
 class ChatChoice(BaseModel):

@@ -18,6 +18,7 @@ from tokenmill.server.metrics import Metrics
 from tokenmill.server.protocol import SamplingFields
 from tokenmill.server.tool_calls import ToolPlan
 from tokenmill.tools.formats import HERMES, ToolFormat
+from tokenmill.tools.reasoning import ReasoningFormat
 
 log = logging.getLogger("tokenmill.requests")
 
@@ -32,6 +33,7 @@ class ServerContext:
     config: EngineConfig  # the request limits (max_*) among its fields
     admission: Admission
     tool_format: ToolFormat = HERMES
+    reasoning: ReasoningFormat | None = None  # how thinking is split from the answer (tools/reasoning.py)
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

@@ -1,0 +1,88 @@
+"""Models whose chat template thinks (a tiny Qwen3 with templates that write <think>): forced by a regex constraint to
+emit ``<think>...</think>answer``, chat completions return ``reasoning_content`` apart from ``content``; with a
+template that opens the thinking itself (DeepSeek-R1's way), the Messages API returns the thinking as a thinking
+block and chat as reasoning_content; streamed and not, as the openai and anthropic SDKs parse them."""
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.family_checkpoints import make_family_checkpoint
+from tests.live_server import inprocess_server
+
+anthropic = pytest.importorskip("anthropic")
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+FORCED = r"<think>[a-z]{3,8}( [a-z]{3,8}){1,3}</think>\n\n[A-Z][a-z]{2,8}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm_llm):
+    path = tmp_path_factory.mktemp("thinking")
+    make_family_checkpoint(path, smollm_llm.tokenizer.hf, "qwen3")
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = THINKING_TEMPLATE
+    config_file.write_text(json.dumps(config))
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    with inprocess_server(model=str(path), dtype="float32", kv_cache_memory="16MiB") as (root, _):
+        yield root, path.name
+
+
+def test_chat_returns_the_thinking_apart_from_the_answer(server):
+    root, model = server
+    client = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=40, temperature=0,
+                  extra_body={"structured_outputs": {"regex": FORCED}})
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    thinking = message.model_extra["reasoning_content"]
+    # The two parts are exactly the forced output's, less the tags and the newlines between them.
+    assert thinking and re.fullmatch(FORCED, f"<think>{thinking}</think>\n\n{message.content}")
+    assert "<" not in thinking + message.content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == \
+        message.model_extra["reasoning_content"]
+    assert "".join(d.content or "" for d in deltas) == message.content
+
+
+R1_TEMPLATE = THINKING_TEMPLATE.replace("<|im_start|>assistant\n{% endif %}",
+                                        "<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def r1_server(tmp_path_factory, smollm_llm):
+    """The template opens the thinking in the generation prompt (DeepSeek-R1's way): the output starts inside it."""
+    path = tmp_path_factory.mktemp("r1")
+    make_family_checkpoint(path, smollm_llm.tokenizer.hf, "qwen3")
+    config_file = path / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": R1_TEMPLATE}))
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    with inprocess_server(model=str(path), dtype="float32", kv_cache_memory="16MiB") as (root, _):
+        yield root, path.name
+
+
+def test_messages_put_the_thinking_in_a_thinking_block(r1_server):
+    root, model = r1_server
+    question = [{"role": "user", "content": "Hi"}]
+    prompt = httpx.post(root + "/tokenize", json={"messages": question}).json()["tokens"]
+    raw = httpx.post(root + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
+                                                     "temperature": 0}).json()["choices"][0]["text"]
+    thinking, _, answer = raw.partition("</think>")  # R1: everything before the end tag is thinking
+    client = anthropic.Anthropic(base_url=root, api_key="unused", max_retries=0)
+    kwargs = dict(model=model, max_tokens=12, messages=question, extra_body={"temperature": 0})
+    m = client.messages.create(**kwargs)
+    assert m.content[0].type == "thinking" and m.content[0].thinking == thinking
+    assert [b.text for b in m.content[1:]] == ([answer.lstrip("\n")] if answer.lstrip("\n") else [])
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+    chat = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model=model, messages=question, max_tokens=12, temperature=0).choices[0].message
+    assert chat.model_extra["reasoning_content"] == thinking

@@ -1,0 +1,39 @@
+"""The reasoning split, fed whole and fed one character at a time (every tag cut at every position): the same
+reasoning and answer, equal to a plain split of the text at its tags."""
+
+import pytest
+
+from tokenmill.tools.reasoning import DEEPSEEK_R1, QWEN3, ReasoningParser, detect_reasoning
+
+
+def split(fmt, text: str, step: int) -> tuple[str, str]:
+    parser, reasoning, content = ReasoningParser(fmt), "", ""
+    for i in range(0, len(text), step):
+        r, c = parser.feed(text[i:i + step])
+        reasoning, content = reasoning + r, content + c
+    r, c = parser.finish()
+    assert (parser.reasoning, parser.content) == (reasoning + r, content + c)
+    return reasoning + r, content + c
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 1000])
+@pytest.mark.parametrize("fmt, text, want", [
+    (QWEN3, "<think>\nLet me see. 2 < 3.\n</think>\n\nParis.", ("\nLet me see. 2 < 3.\n", "Paris.")),
+    (QWEN3, "Paris, no thinking.", ("", "Paris, no thinking.")),
+    (QWEN3, "<think></think>Paris", ("", "Paris")),
+    (QWEN3, "<thin", ("", "<thin")),  # an opening that never completes is answer
+    (QWEN3, "<think>unfinished </thi", ("unfinished </thi", "")),  # so is thinking that never closes: reasoning
+    (DEEPSEEK_R1, "The user asks.</think>\n\nParis <think> stays", ("The user asks.", "Paris <think> stays")),
+    (DEEPSEEK_R1, "all thinking, cut off", ("all thinking, cut off", "")),
+])
+def test_split_is_the_same_however_the_text_arrives(fmt, text, want, step):
+    assert split(fmt, text, step) == want
+
+
+def test_detect_from_the_template():
+    qwen3 = "{% if message.role == 'assistant' %}<think>{{ reasoning }}</think>{% endif %}" \
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    r1 = "{% if add_generation_prompt %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
+    assert detect_reasoning(qwen3, "auto") is QWEN3 and detect_reasoning(r1, "auto") is DEEPSEEK_R1
+    assert detect_reasoning("{{ messages }}", "auto") is None and detect_reasoning(qwen3, "none") is None
+    assert detect_reasoning(None, "deepseek_r1") is DEEPSEEK_R1
