@@ -244,7 +244,7 @@ def _event(kind: str, **data: Any) -> dict[str, str]:
 
 
 async def messages_stream(ctx: ServerContext, body: MessagesRequest, tracker: Tracker) -> AsyncIterator[dict]:
-    """Anthropic's event sequence; blocks open and close in order: text first, then each tool call."""
+    """Anthropic's event sequence; blocks open and close in order: the thinking, the text, then each tool call."""
     prompt = len(tracker.requests[0].prompt_token_ids)
     start = _message(ctx, [], None, {"input_tokens": prompt, "output_tokens": 0})
     yield _event("message_start", message=start)
