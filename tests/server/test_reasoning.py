@@ -31,7 +31,8 @@ def server(tmp_path_factory, smollm_llm):
     config["chat_template"] = THINKING_TEMPLATE
     config_file.write_text(json.dumps(config))
     (path / "chat_template.jinja").unlink(missing_ok=True)
-    with inprocess_server(model=str(path), dtype="float32", kv_cache_memory="16MiB") as (root, _):
+    with inprocess_server(model=str(path), dtype="float32", kv_cache_memory="16MiB",
+                          enforce_eager=True) as (root, _):
         yield root, path.name
 
 
@@ -64,7 +65,8 @@ def r1_server(tmp_path_factory, smollm_llm):
     config_file = path / "tokenizer_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": R1_TEMPLATE}))
     (path / "chat_template.jinja").unlink(missing_ok=True)
-    with inprocess_server(model=str(path), dtype="float32", kv_cache_memory="16MiB") as (root, _):
+    with inprocess_server(model=str(path), dtype="float32", kv_cache_memory="16MiB",
+                          enforce_eager=True) as (root, _):
         yield root, path.name
 
 
