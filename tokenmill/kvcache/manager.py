@@ -166,10 +166,12 @@ class KVCacheManager:
         ``cache_computed_blocks``, so that a later prefix hit can revive them)."""
         for group, table in enumerate(request.block_tables):
             first = self.groups.first_live_block(group, request.num_computed_tokens, self.block_size)
-            behind = [b for b in table[:first] if b != self.null_block]
-            if behind:
-                self.pool.free(behind)
-                table[:first] = [self.null_block] * first
+            start = first  # entries before the last step's first live block are null already: scan back to them
+            while start > 0 and table[start - 1] != self.null_block:
+                start -= 1
+            if start < first:
+                self.pool.free(table[start:first])
+                table[start:first] = [self.null_block] * (first - start)
 
     def release_tail(self, request: HasBlocks) -> None:
         """Return the blocks past the one the request's next token goes to (blocks that held only rejected draft
