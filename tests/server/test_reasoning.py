@@ -22,18 +22,21 @@ THINKING_TEMPLATE = (
 FORCED = r"<think>[a-z]{3,8}( [a-z]{3,8}){1,3}</think>\n\n[A-Z][a-z]{2,8}"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm_llm):
-    path = tmp_path_factory.mktemp("thinking")
+def _serve(tmp_path_factory, smollm_llm, name: str, template: str):
+    """A tiny Qwen3 checkpoint with ``template`` as its chat template, served in this process."""
+    path = tmp_path_factory.mktemp(name)
     make_family_checkpoint(path, smollm_llm.tokenizer.hf, "qwen3")
     config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = THINKING_TEMPLATE
-    config_file.write_text(json.dumps(config))
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": template}))
     (path / "chat_template.jinja").unlink(missing_ok=True)
     with inprocess_server(model=str(path), dtype="float32", kv_cache_memory="16MiB",
                           enforce_eager=True) as (root, _):
         yield root, path.name
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm_llm):
+    yield from _serve(tmp_path_factory, smollm_llm, "thinking", THINKING_TEMPLATE)
 
 
 def test_chat_returns_the_thinking_apart_from_the_answer(server):
@@ -60,14 +63,7 @@ R1_TEMPLATE = THINKING_TEMPLATE.replace("<|im_start|>assistant\n{% endif %}",
 @pytest.fixture(scope="module")
 def r1_server(tmp_path_factory, smollm_llm):
     """The template opens the thinking in the generation prompt (DeepSeek-R1's way): the output starts inside it."""
-    path = tmp_path_factory.mktemp("r1")
-    make_family_checkpoint(path, smollm_llm.tokenizer.hf, "qwen3")
-    config_file = path / "tokenizer_config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": R1_TEMPLATE}))
-    (path / "chat_template.jinja").unlink(missing_ok=True)
-    with inprocess_server(model=str(path), dtype="float32", kv_cache_memory="16MiB",
-                          enforce_eager=True) as (root, _):
-        yield root, path.name
+    yield from _serve(tmp_path_factory, smollm_llm, "r1", R1_TEMPLATE)
 
 
 def test_messages_put_the_thinking_in_a_thinking_block(r1_server):
