@@ -45,6 +45,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair(avoid: tuple[int, ...] = ()) -> int:
+    """A port P with P+1 also free now and neither in ``avoid`` (torchrun's rendezvous is on P, tokenmill's ranks meet
+    on P+1)."""
+    while True:
+        port = free_port()
+        if port in avoid or port + 1 in avoid:
+            continue
+        with socket.socket() as first, socket.socket() as second:
+            try:
+                first.bind(("0.0.0.0", port))
+                second.bind(("0.0.0.0", port + 1))
+            except OSError:
+                continue
+        return port
+
+
 def start_server(tmp_path, *args: str, ready_timeout: float = 120.0) -> LiveServer:
     port = free_port()
     log_path = str(tmp_path / f"server-{port}.log")

@@ -8,7 +8,7 @@ import sys
 
 import httpx
 
-from tests.live_server import free_port, wait_ready
+from tests.live_server import free_port, free_port_pair, wait_ready
 from tests.tiny_checkpoints import make_deepseek_checkpoint
 from tokenmill import LLM, SamplingParams
 
@@ -19,7 +19,8 @@ def test_torchrun_launch_serves_deepseek_on_two_ranks(tmp_path, smollm_llm):
     one = LLM(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="8MiB")
     want = one.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].text
 
-    port, master_port = free_port(), free_port()
+    port = free_port()
+    master_port = free_port_pair(avoid=(port,))
     log = open(tmp_path / "torchrun.log", "w")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(master_port), "-m", "tokenmill", "serve", str(tmp_path),
