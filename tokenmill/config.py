@@ -7,6 +7,7 @@ other tools) > the defaults below. No other module reads the environment.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -28,7 +29,8 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
 # Fields only `tokenmill serve` uses; the other commands take the rest.
 SERVER_FIELDS = frozenset({"host", "port", "served_model_name", "api_key", "api_key_file", "auth_all_endpoints",
                            "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json", "engine_process",
-                           "tool_call_parser", "reasoning_parser", "max_request_body_bytes", "max_n", "max_stop_sequences",
+                           "tool_call_parser", "reasoning_parser", "chat_template", "default_chat_template_kwargs",
+                           "responses_store_max_count", "responses_store_max_bytes", "max_request_body_bytes", "max_n", "max_stop_sequences",
                            "max_stop_length", "max_logit_bias", "max_stop_token_ids", "max_prompts", "max_tools"})
 
 
@@ -150,6 +152,14 @@ class EngineConfig(BaseSettings):
     reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3", "glm45"] = Field(
         "auto", description="how the model's thinking is split from its answer (reasoning_content); auto = from its "
                             "chat template (none when it has no <think>)")
+    chat_template: str | None = Field(None, description="a Jinja chat template file that replaces the checkpoint's")
+    default_chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description='variables every chat template rendering gets (JSON, e.g. '
+                                          '\'{"enable_thinking": false}\'); a request\'s chat_template_kwargs win')
+    responses_store_max_count: int = Field(1000, ge=0, description="most responses /v1/responses keeps for "
+                                                                   "previous_response_id and GET (oldest dropped first)")
+    responses_store_max_bytes: int = Field(64 * 2**20, ge=0, description="most bytes of stored responses "
+                                                                         "(accepts '64MiB')")
     # --- request limits (each a 400 naming the parameter)
     max_request_body_bytes: int = Field(4 * 2**20, gt=0, description="largest request body (accepts '4MiB')")
     max_n: int = Field(16, gt=0, description="most choices (n) per prompt")
@@ -162,7 +172,27 @@ class EngineConfig(BaseSettings):
     engine_process: bool = Field(True, description="run the engine core in its own process (--no-engine-process: "
                                                    "on a thread of the API process, one GIL for both)")
 
-    @field_validator("kv_cache_memory", "max_request_body_bytes", "grammar_max_bytes", mode="before")
+    @field_validator("default_chat_template_kwargs", mode="before")
+    @classmethod
+    def _parse_json_object(cls, value: Any) -> Any:
+        if isinstance(value, str):  # a CLI flag or an environment variable
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError(f"not a JSON object: {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"must be a JSON object, got {value!r}")
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _readable_template(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).expanduser().is_file():
+            raise ValueError(f"no chat template file at {value!r}")
+        return value
+
+    @field_validator("kv_cache_memory", "max_request_body_bytes", "grammar_max_bytes", "responses_store_max_bytes",
+                     mode="before")
     @classmethod
     def _parse_size(cls, value: Any) -> int:
         return parse_byte_size(value)

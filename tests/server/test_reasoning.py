@@ -15,10 +15,15 @@ from tests.live_server import inprocess_server
 
 anthropic = pytest.importorskip("anthropic")
 
-THINKING_TEMPLATE = (
+CONVERSATION = (
+    "{% if reasoning_effort is defined %}<|im_start|>system\nReasoning: {{ reasoning_effort }}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n"
     "{% if m.role == 'assistant' and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
-    "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{{ m.content }}<|im_end|>\n{% endfor %}")
+# Qwen3's thinking switch (enable_thinking=false closes an empty thinking), and gpt-oss's reasoning_effort variable.
+THINKING_TEMPLATE = CONVERSATION + (
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is "
+    "false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
 FORCED = r"<think>[a-z]{3,8}( [a-z]{3,8}){1,3}</think>\n\n[A-Z][a-z]{2,8}"
 
 
@@ -31,7 +36,7 @@ def _serve(tmp_path_factory, smollm_llm, name: str, template: str):
     (path / "chat_template.jinja").unlink(missing_ok=True)
     with inprocess_server(model=str(path), dtype="float32", kv_cache_memory="16MiB",
                           enforce_eager=True) as (root, _):
-        yield root, path.name
+        yield root, path.name, path
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +45,7 @@ def server(tmp_path_factory, smollm_llm):
 
 
 def test_chat_returns_the_thinking_apart_from_the_answer(server):
-    root, model = server
+    root, model, _ = server
     client = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0)
     kwargs = dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=40, temperature=0,
                   extra_body={"structured_outputs": {"regex": FORCED}})
@@ -56,8 +61,7 @@ def test_chat_returns_the_thinking_apart_from_the_answer(server):
     assert "".join(d.content or "" for d in deltas) == message.content
 
 
-R1_TEMPLATE = THINKING_TEMPLATE.replace("<|im_start|>assistant\n{% endif %}",
-                                        "<|im_start|>assistant\n<think>\n{% endif %}")
+R1_TEMPLATE = CONVERSATION + "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,7 @@ def r1_server(tmp_path_factory, smollm_llm):
 
 
 def test_messages_put_the_thinking_in_a_thinking_block(r1_server):
-    root, model = r1_server
+    root, model, _ = r1_server
     question = [{"role": "user", "content": "Hi"}]
     prompt = httpx.post(root + "/tokenize", json={"messages": question}).json()["tokens"]
     raw = httpx.post(root + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
@@ -84,3 +88,63 @@ def test_messages_put_the_thinking_in_a_thinking_block(r1_server):
     chat = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0).chat.completions.create(
         model=model, messages=question, max_tokens=12, temperature=0).choices[0].message
     assert chat.model_extra["reasoning_content"] == thinking
+
+
+def test_responses_return_the_thinking_as_a_reasoning_item(server):
+    root, model, _ = server
+    client = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model=model, input="Hi", max_output_tokens=40, temperature=0,
+                  extra_body={"structured_outputs": {"regex": FORCED}})
+    r = client.responses.create(**kwargs)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    thinking = r.output[0].content[0].text
+    assert re.fullmatch(FORCED, f"<think>{thinking}</think>\n\n{r.output_text}")
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=40,
+                                          temperature=0, extra_body=kwargs["extra_body"]).choices[0].message
+    assert (chat.model_extra["reasoning_content"], chat.content) == (thinking, r.output_text)
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thinking
+    done = [e.text for e in events if e.type == "response.reasoning_text.done"]
+    assert done == [thinking] and [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.output_text == r.output_text
+
+
+def test_reasoning_switches_reach_the_template(server):
+    """reasoning_effort (chat), reasoning.effort (Responses), thinking (Messages) and chat_template_kwargs render the
+    prompt that transformers renders from the same template with the same variables."""
+    root, model, path = server
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(path)
+    question = [{"role": "user", "content": "Hi"}]
+
+    def want(**variables) -> list[int]:
+        text = hf.apply_chat_template(question, add_generation_prompt=True, tokenize=False, **variables)
+        return hf.encode(text, add_special_tokens=False)
+    client = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0)
+
+    def chat_prompt(**kwargs) -> int:
+        answer = client.chat.completions.create(model=model, messages=question, max_tokens=1, **kwargs)
+        return answer.usage.prompt_tokens
+    off = want(enable_thinking=False, reasoning_effort="none")
+    assert len(off) > len(want())
+    assert chat_prompt(reasoning_effort="none") == len(off)
+    assert chat_prompt(reasoning_effort="high") == len(want(enable_thinking=True, reasoning_effort="high"))
+    assert chat_prompt(extra_body={"chat_template_kwargs": {"enable_thinking": False}}) == \
+        len(want(enable_thinking=False))
+    tokens = httpx.post(root + "/tokenize", json={"messages": question, "chat_template_kwargs": {
+        "enable_thinking": False}}).json()["tokens"]
+    assert tokens == want(enable_thinking=False)
+    r = client.responses.create(model=model, input="Hi", reasoning={"effort": "low"}, max_output_tokens=1)
+    assert r.usage.input_tokens == len(want(enable_thinking=True, reasoning_effort="low"))
+    messages = anthropic.Anthropic(base_url=root, api_key="unused", max_retries=0).messages
+    assert messages.count_tokens(model=model, messages=question, thinking={"type": "disabled"}).input_tokens == len(off)
+    low = want(enable_thinking=True, reasoning_effort="low")
+    assert messages.count_tokens(model=model, messages=question, thinking={
+        "type": "enabled", "budget_tokens": 2048}).input_tokens == len(low)
+    reserved = httpx.post(root + "/v1/chat/completions", json={"model": model, "messages": question,
+                                                               "chat_template_kwargs": {"tools": []}})
+    assert reserved.status_code == 400 and reserved.json()["error"]["param"] == "chat_template_kwargs.tools"

@@ -35,5 +35,11 @@ def test_detect_from_the_template():
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     r1 = "{% if add_generation_prompt %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
     assert detect_reasoning(qwen3, "auto") is QWEN3 and detect_reasoning(r1, "auto") is DEEPSEEK_R1
+    # Qwen3's and GLM-4.5's switch closes an empty thinking in the generation prompt: that is not R1's opening.
+    switch = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and " \
+             "enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+    glm = "{%- if add_generation_prompt -%}<|assistant|>{{- '\\n<think></think>' if (enable_thinking is defined " \
+          "and not enable_thinking) else '' -}}{%- endif -%}"
+    assert detect_reasoning(qwen3 + switch, "auto") is QWEN3 and detect_reasoning(glm, "auto") is QWEN3
     assert detect_reasoning("{{ messages }}", "auto") is None and detect_reasoning(qwen3, "none") is None
     assert detect_reasoning(None, "deepseek_r1") is DEEPSEEK_R1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -74,6 +75,8 @@ class EngineClient:
         else:  # one process: transformers' lazy imports are not safe to race from two threads
             self.info = self._engine.start(self._on_step, self._on_dead)
             self._tokenizer = load_tokenizer()
+        if self.config.chat_template is not None:  # --chat-template: the operator's template replaces the checkpoint's
+            self._tokenizer.hf.chat_template = Path(self.config.chat_template).expanduser().read_text()
         self.chat_template = self._tokenizer.hf.chat_template
         return self.info
 
@@ -94,8 +97,10 @@ class EngineClient:
         return await self._off_loop(self._tokenizer.encode, text, add_special_tokens)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                                  tools: list[dict] | None = None) -> list[int]:
-        return await self._off_loop(self._tokenizer.apply_chat_template, messages, add_generation_prompt, tools)
+                                  tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None
+                                  ) -> list[int]:
+        return await self._off_loop(self._tokenizer.apply_chat_template, messages, add_generation_prompt, tools,
+                                    template_kwargs)
 
     async def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return await self._off_loop(self._tokenizer.decode, token_ids, skip_special_tokens)

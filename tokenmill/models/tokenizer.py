@@ -72,11 +72,13 @@ class Tokenizer:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None
+                            ) -> list[int]:
+        """``template_kwargs``: more variables for the template (``enable_thinking``, ``reasoning_effort``...)."""
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; use a completion prompt instead")
         rendered = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                               tokenize=False)
+                                               tokenize=False, **(template_kwargs or {}))
         # The template already holds the special tokens it needs (e.g. <|im_start|>).
         return self.encode(rendered, add_special_tokens=False)
 

@@ -13,8 +13,8 @@ _stop per block, message_delta (stop_reason, usage), message_stop; an error afte
 
 ``output_config.format`` (a JSON schema) constrains the answer through the structured-output path. A reasoning
 model's thinking (--reasoning-parser) comes first as a ``thinking`` block (``thinking_delta`` events; its signature is
-empty: nothing here signs it). Not served yet: ``thinking`` enabled as a request field (a 400 that says so: the budget
-is not mapped yet), image and document blocks, server tools.
+empty: nothing here signs it). ``thinking`` switches the template's thinking (``_effort``). Not served: image and
+document blocks, server tools.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tokenmill.server.chat import prepare_chat, render_chat, split_reasoning
+from tokenmill.server.chat import prepare_chat, render_chat, split_reasoning, template_kwargs
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.limits import check_limits
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
@@ -58,8 +58,9 @@ class AnthropicToolChoice(_Strict):
 
 
 class Thinking(_Strict):
-    type: Literal["enabled", "disabled"]
-    budget_tokens: int | None = None
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1024)  # Anthropic's minimum
+    display: str | None = None
 
 
 class CountTokensRequest(_Strict):
@@ -159,13 +160,23 @@ def _tools(body: CountTokensRequest) -> tuple[list[dict] | None, Any, bool]:
     return tools, mapped, parallel
 
 
+def _effort(thinking: Thinking | None) -> str | None:
+    """``thinking`` as a reasoning effort (the template's switches, server/chat.py template_kwargs): disabled is
+    "none"; enabled maps its budget to low (< 4,096 tokens), medium (< 16,384) or high. The budget is not a hard
+    limit on the thinking here; max_tokens bounds thinking and answer together."""
+    if thinking is None:
+        return None
+    if thinking.type == "disabled":
+        return "none"
+    budget = thinking.budget_tokens or 16384
+    return "low" if budget < 4096 else "medium" if budget < 16384 else "high"
+
+
 def chat_request(body: CountTokensRequest, **fields: Any) -> ChatCompletionRequest:
-    if body.thinking is not None and body.thinking.type == "enabled":
-        raise bad_request("extended thinking is not supported by this server yet", "thinking")
     tools, choice, parallel = _tools(body)
     try:
         return ChatCompletionRequest(model=body.model, messages=_messages(body), tools=tools, tool_choice=choice,
-                                     parallel_tool_calls=parallel, **fields)
+                                     parallel_tool_calls=parallel, reasoning_effort=_effort(body.thinking), **fields)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise bad_request(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
@@ -183,7 +194,7 @@ async def prepare_messages(ctx: ServerContext, body: MessagesRequest, key_name: 
 async def count_tokens(ctx: ServerContext, body: CountTokensRequest) -> dict[str, int]:
     chat = chat_request(body)
     prompt, _ = await render_chat(ctx, chat.messages, chat.tools, chat.tool_choice, chat.parallel_tool_calls,
-                                  check_grammars=False)
+                                  check_grammars=False, kwargs=template_kwargs(ctx, None, chat.reasoning_effort))
     return {"input_tokens": len(prompt)}
 
 
@@ -278,10 +289,7 @@ async def messages_stream(ctx: ServerContext, body: MessagesRequest, tracker: Tr
                 yield _event("content_block_delta", index=block, delta={"type": "thinking_delta", "thinking": thinking})
             text, calls = answer, []
             if parser is not None:
-                text, calls = parser.feed(answer)
-                if out.finished:
-                    more, late = parser.finish()
-                    text, calls = text + more, calls + late
+                text, calls = parser.step(answer, out.finished)
             if text and kind != "text":
                 for event in open_block("text", {"type": "text", "text": ""}):
                     yield event

@@ -20,7 +20,7 @@ from tokenmill.server.deps import ServerState
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.limits import BodySizeLimit
 from tokenmill.server.openapi import install_openapi
-from tokenmill.server.routes import anthropic, health, openai, tokenize
+from tokenmill.server.routes import anthropic, health, openai, responses, tokenize
 from tokenmill.server.serving import ServerContext
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
     install_openapi(app)
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"])
-    for router in (health.router, openai.router, anthropic.router, tokenize.router):
+    for router in (health.router, openai.router, responses.router, anthropic.router, tokenize.router):
         app.include_router(router)
     state.in_flight = InFlight(app)
     return BodySizeLimit(state.in_flight, max_body_bytes)

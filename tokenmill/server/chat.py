@@ -51,11 +51,38 @@ def openai_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+# The template's own arguments: a request's chat_template_kwargs cannot set them.
+_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                     "continue_final_message", "tokenize", "return_dict", "return_tensors",
+                                     "chat_template", "tokenizer_kwargs", "padding", "truncation", "max_length"})
+
+
+def template_kwargs(ctx: ServerContext, requested: dict[str, Any] | None, effort: str | None = None,
+                    param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """The chat template's extra variables: the server's defaults, then a reasoning effort mapped onto the switches
+    this template reads (``reasoning_effort`` as gpt-oss's takes it; ``enable_thinking`` as Qwen3's and GLM-4.5's:
+    off only for effort "none"), then the request's own ``chat_template_kwargs``, which win. An effort the template
+    has no switch for changes nothing (OpenAI's clients send one to every model)."""
+    kwargs = dict(ctx.config.default_chat_template_kwargs)
+    template = ctx.client.chat_template or ""
+    if effort is not None:
+        if "reasoning_effort" in template:
+            kwargs["reasoning_effort"] = effort
+        if "enable_thinking" in template:
+            kwargs["enable_thinking"] = effort != "none"
+    for name in requested or {}:
+        if name in _RESERVED_TEMPLATE_ARGS:
+            raise bad_request(f"{name!r} is set by the server, not by chat_template_kwargs", param=f"{param}.{name}")
+    return {**kwargs, **(requested or {})}
+
+
 async def render_chat(ctx: ServerContext, messages: list[ChatMessage], tools: list | None, tool_choice,
                       parallel_tool_calls: bool = True, add_generation_prompt: bool = True,
-                      check_grammars: bool = True) -> tuple[list[int], ToolPlan]:
+                      check_grammars: bool = True, kwargs: dict[str, Any] | None = None
+                      ) -> tuple[list[int], ToolPlan]:
     """A conversation -> its prompt tokens, and how its tools are served: the one rendering that chat completions and
-    /tokenize share (the tools a plan leaves out are left out of both)."""
+    /tokenize share (the tools a plan leaves out are left out of both). ``kwargs``: the template's extra variables
+    (``template_kwargs``)."""
     plan = await plan_tools(ctx, tools, tool_choice, parallel_tool_calls, check_grammars)
     try:
         rendered = render_messages(openai_messages(messages), plan.tools, ctx.tool_format, plan.native)
@@ -63,7 +90,8 @@ async def render_chat(ctx: ServerContext, messages: list[ChatMessage], tools: li
         raise bad_request(str(exc), param="messages") from None
     try:
         prompt = await ctx.client.apply_chat_template(rendered, add_generation_prompt,
-                                                      tools=plan.tools if plan.native else None)
+                                                      tools=plan.tools if plan.native else None,
+                                                      template_kwargs=kwargs)
     except Exception as exc:  # a template may raise anything (jinja errors, its own raise_exception)
         raise bad_request(f"the chat template refused these messages: {exc}", param="messages") from None
     return prompt, plan
@@ -76,7 +104,9 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name
     if constraint is not None and body.tools and body.tool_choice != "none":
         raise bad_request("an output constraint cannot be combined with tools unless tool_choice is 'none'",
                           param=constraint[0])
-    prompt, plan = await render_chat(ctx, body.messages, body.tools, body.tool_choice, body.parallel_tool_calls)
+    kwargs = template_kwargs(ctx, body.chat_template_kwargs, body.reasoning_effort)
+    prompt, plan = await render_chat(ctx, body.messages, body.tools, body.tool_choice, body.parallel_tool_calls,
+                                     kwargs=kwargs)
     if constraint is not None:
         await check(ctx, *constraint)
     top = (body.top_logprobs or 0) if body.logprobs else None
@@ -164,9 +194,7 @@ async def chat_stream(ctx: ServerContext, body: ChatCompletionRequest, tracker: 
                     yield chunk(index, {"reasoning_content": thinking})
             content, calls, parser = answer, [], parsers[index]
             if parser is not None:
-                content, calls = parser.feed(answer)
-                if out.finished:
-                    content += parser.finish()[0]
+                content, calls = parser.step(answer, out.finished)
             if calls and (content or lps):  # text before a call comes before it
                 yield chunk(index, {"content": content}, None, lps)
                 content, lps = "", None

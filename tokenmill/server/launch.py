@@ -29,6 +29,7 @@ from tokenmill.server.admission import Admission
 from tokenmill.server.app import ServerState, build_app
 from tokenmill.server.auth import Authenticator, load_keys
 from tokenmill.server.metrics import Metrics
+from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.serving import ServerContext
 from tokenmill.tools.formats import detect_format
 from tokenmill.tools.reasoning import detect_reasoning
@@ -85,8 +86,9 @@ def _loader(config: EngineConfig, clients: list[EngineClient], on_failure: Calla
         tool_format = detect_format(client.chat_template, config.tool_call_parser)
         reasoning = detect_reasoning(client.chat_template, config.reasoning_parser)
         log.info("tool calls: %s format; reasoning: %s", tool_format.name, reasoning.name if reasoning else "none")
+        responses = ResponseStore(config.responses_store_max_count, config.responses_store_max_bytes)
         return ServerContext(client, Metrics(client, admission, info.model_name), info.model_name, config, admission,
-                             tool_format, reasoning)
+                             tool_format, reasoning, responses)
     return load
 
 

@@ -134,8 +134,34 @@ class TokenCount(BaseModel):
     input_tokens: int
 
 
+class ResponseObject(BaseModel):
+    """Without ``stream``; with it, ``text/event-stream`` of typed events (response.created ... response.completed)."""
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "failed", "in_progress"]
+    model: str
+    output: list[dict[str, Any]]  # reasoning, message and function_call items
+    usage: dict[str, Any] | None
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
+class ItemList(BaseModel):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 _ERRORS = {400: "invalid request (OpenAI's invalid_request_error; `param` names the field)",
-           401: "missing or unknown API key", 404: "unknown model", 429: "at capacity; see the Retry-After header",
+           401: "missing or unknown API key", 404: "unknown model (or stored response)",
+           429: "at capacity; see the Retry-After header",
            500: "the engine failed while generating", 503: "loading, draining, or the engine has failed"}
 
 

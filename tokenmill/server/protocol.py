@@ -5,8 +5,9 @@ OpenAI answers. Accepted fields are of three kinds:
 - honored: they change the answer as OpenAI (or vLLM, for its extensions) documents;
 - accepted and without effect on the answer by their definition: ``user``, ``metadata``, ``store``,
   ``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``prediction`` (a latency hint);
-- known but not served here (audio, web search, reasoning controls, the deprecated ``functions``): a 400 that says
-  so (``UNSUPPORTED``), never a silent drop.
+- known but not served here (audio, web search, verbosity, the deprecated ``functions``): a 400 that says so
+  (``UNSUPPORTED``), never a silent drop.
+``reasoning_effort`` and ``chat_template_kwargs`` reach the chat template (server/chat.py ``template_kwargs``).
 Sizes (stop strings, logit_bias entries, prompts, the body) are bounded by server/limits.py.
 """
 
@@ -22,9 +23,11 @@ UNSUPPORTED = {
     "function_call": "the deprecated functions/function_call are not supported; send tools and tool_choice",
     "audio": "audio output is not supported",
     "web_search_options": "web search is not supported",
-    "reasoning_effort": "this model does not take reasoning_effort",
     "verbosity": "this model does not take verbosity",
 }
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class Strict(BaseModel):
@@ -184,8 +187,10 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
     audio: Any = None
     web_search_options: Any = None
-    reasoning_effort: Any = None
     verbosity: Any = None
+    # Reasoning controls: set through the chat template's own switches (server/chat.py template_kwargs).
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
 
 
 class CompletionRequest(SamplingFields):
@@ -209,6 +214,7 @@ class TokenizeRequest(Strict):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(Strict):

@@ -16,6 +16,7 @@ from tokenmill.server.admission import Admission, Reservation
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.protocol import SamplingFields
+from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.tool_calls import ToolPlan
 from tokenmill.tools.formats import HERMES, ToolFormat
 from tokenmill.tools.reasoning import ReasoningFormat
@@ -34,6 +35,7 @@ class ServerContext:
     admission: Admission
     tool_format: ToolFormat = HERMES
     reasoning: ReasoningFormat | None = None  # how thinking is split from the answer (tools/reasoning.py)
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(0, 0))  # /v1/responses' store
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.server.chat import render_chat
+from tokenmill.server.chat import render_chat, template_kwargs
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol import DetokenizeRequest, TokenizeRequest
 from tokenmill.server.serving import ServerContext
@@ -21,7 +21,8 @@ async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict[str, Any]:
         tokens = await client.encode(body.prompt, add_special)
     else:
         tokens, _ = await render_chat(ctx, body.messages, body.tools, body.tool_choice, body.parallel_tool_calls,
-                                      body.add_generation_prompt, check_grammars=False)
+                                      body.add_generation_prompt, check_grammars=False,
+                                      kwargs=template_kwargs(ctx, body.chat_template_kwargs))
     out: dict[str, Any] = {"count": len(tokens), "max_model_len": client.info.max_model_len, "tokens": tokens}
     if body.return_token_strs:
         out["token_strs"] = await client.token_strings(tokens)

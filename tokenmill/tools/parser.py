@@ -57,6 +57,14 @@ class ToolCallParser:
         self.content += content
         return content, deltas
 
+    def step(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        """``feed``, and ``finish`` too at the output's last delta: what a stream sends for this delta."""
+        content, deltas = self.feed(delta)
+        if finished:
+            more, late = self.finish()
+            content, deltas = content + more, deltas + late
+        return content, deltas
+
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """At the end of the output: held-back text is content, and so is a trigger no header followed."""
         rest = ""

@@ -11,6 +11,7 @@ A tail that may be the start of a tag is held back until the next delta decides 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -28,6 +29,9 @@ GLM45 = ReasoningFormat("glm45", "<think>", "</think>", False)
 REASONING_FORMATS = {f.name: f for f in (DEEPSEEK_R1, QWEN3, GLM45)}
 
 
+_EMPTY_THINKING = re.compile(r"<think>(?:\\n|\s)*</think>")
+
+
 def detect_reasoning(chat_template: str | None, requested: str) -> ReasoningFormat | None:
     """``requested`` by name, none, or (auto) from the chat template: one that writes ``<think>`` thinks; one whose
     generation prompt ends by opening it (``<think>\\n`` right after the assistant's turn starts) is deepseek_r1."""
@@ -39,6 +43,9 @@ def detect_reasoning(chat_template: str | None, requested: str) -> ReasoningForm
     if "<think>" not in template:
         return None
     generation = template[template.rfind("add_generation_prompt"):]
+    # An empty thinking closed at once is thinking switched off (Qwen3's and GLM-4.5's enable_thinking=false), not
+    # thinking opened for the model.
+    generation = _EMPTY_THINKING.sub("", generation)
     return DEEPSEEK_R1 if "<think>\\n" in generation or "<think>\n" in generation else QWEN3
 
 
