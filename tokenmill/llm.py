@@ -24,6 +24,8 @@ class Completion:
     # Per token: (logprob of the chosen token, [(token id, logprob)] top candidates); None unless asked.
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # Per prompt token (the first None): (its logprob, top candidates, its rank); None unless prompt_logprobs.
+    prompt_logprobs: list | None = None
     error: str | None = None  # finish_reason "error": why the engine refused it (its grammar over budget, say)
 
 
@@ -116,6 +118,8 @@ class LLM:
                 completion.num_cached_tokens = out.num_cached_tokens
                 if completion.logprobs is not None:
                     completion.logprobs.extend(out.new_logprobs)
+                if out.prompt_logprobs is not None:
+                    completion.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
                     completion.error = out.error

@@ -161,4 +161,6 @@ class EngineCore:
                              num_cached_tokens=request.num_cached_tokens,
                              finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
                              new_logprobs=result.logprobs.get(request.request_id, [])[:len(tokens)],
+                             prompt_logprobs=request.prompt_logprobs if tokens and
+                             request.num_output_tokens == len(tokens) else None,
                              first_scheduled_time=request.first_scheduled_time, token_time=now, error=request.error)

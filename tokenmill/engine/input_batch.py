@@ -69,6 +69,7 @@ class InputBatch:
         self.penalized = np.zeros(max_num_reqs, dtype=bool)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: the row asks for none
         self.seed = np.zeros(max_num_reqs, dtype=np.int64)
         self.seeded = np.zeros(max_num_reqs, dtype=bool)
         self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, values)
@@ -123,6 +124,7 @@ class InputBatch:
         self.penalized[row] = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
         self.min_tokens[row] = p.min_tokens
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.seeded[row], self.seed[row] = p.seed is not None, p.seed or 0
         if p.logit_bias:
             self.bias[row] = (np.array(list(p.logit_bias), dtype=np.int64),

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 from tokenmill.kvcache.groups import KVGroups
 from tokenmill.sampling.params import SamplingParamError, SamplingParams
-from tokenmill.scheduler.output import TokenLogprobs
+from tokenmill.scheduler.output import PromptLogprob, TokenLogprobs
 
 
 @dataclass
@@ -47,6 +47,8 @@ class RequestOutput:
     # The matched stop string or stop token id; None for EOS, length, abort and error.
     stop_reason: int | str | None = None
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # The prompt's logprobs (one per prompt token, the first None), in the request's first output with tokens.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     # Engine timing marks: when the request was first scheduled, when these tokens were sampled.
     first_scheduled_time: float | None = None
     token_time: float | None = None

@@ -35,6 +35,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled token's)
+    # Logprobs of the prompt's own tokens (vLLM's prompt_logprobs): each one's and this many top candidates, from
+    # the prefill; such a request computes its whole prompt (no prefix-cache hit skips positions).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text instead of being cut
     grammar: GrammarSpec | None = None  # structured outputs: every output token keeps the text inside this grammar
@@ -65,6 +68,7 @@ class SamplingParams:
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "must not exceed max_tokens"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be non-negative token ids"),

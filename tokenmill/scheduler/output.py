@@ -76,6 +76,8 @@ class GrammarOutput:
 
 # Per token: (logprob of the sampled token, [(token id, logprob)] top candidates).
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
+# A prompt token's: its logprob, the top candidates, and its rank among all tokens (1 = the most likely).
+PromptLogprob = tuple[float, list[tuple[int, float]], int]
 
 
 @dataclass
@@ -84,6 +86,8 @@ class RunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)  # accepted drafts, then one token of its own
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one per sampled token, if asked
     drafts: dict[str, list[int]] = field(default_factory=dict)  # the proposer's drafts for the next step
+    # Prompt logprobs computed this step, per request that asked: (the first prompt index they are of, entries).
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

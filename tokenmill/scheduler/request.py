@@ -55,6 +55,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     num_cached_tokens: int = 0
+    # Prompt logprobs (sampling_params.prompt_logprobs): one entry per prompt token, None until computed (the first
+    # token's stays None: nothing predicts it); sent with the request's first output.
+    prompt_logprobs: list | None = None
     # Draft tokens to verify in the next step (speculative decoding); proposed after each step, consumed by the next.
     spec_token_ids: list[int] = field(default_factory=list)
     # What stopped the request: a token id, a stop string, or None (EOS, length, abort, a complete grammar output).
@@ -69,6 +72,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -109,7 +109,8 @@ class Scheduler:
         for request in admissible:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            hits = self.kv.find_cached_prefix(request)
+            # Prompt logprobs need every prompt position computed: such a request takes no prefix-cache hit.
+            hits = self.kv.find_cached_prefix(request) if request.prompt_logprobs is None else []
             num_hit_tokens = len(hits[0]) * self.kv.block_size if hits else 0
             n = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(request, n, hits):
@@ -206,6 +207,9 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
+            if (prompt := result.prompt_logprobs.get(request_id)) is not None:  # a preempted prefill overwrites
+                start, entries = prompt
+                request.prompt_logprobs[start:start + len(entries)] = entries
             tokens = self._advance(request, num_tokens, out.spec_token_ids.get(request_id), result)
             kept, status = self._append(request, tokens, reports.stops.get(request_id))
             if kept and request.first_token_time is None:

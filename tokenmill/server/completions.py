@@ -1,4 +1,9 @@
-"""POST /v1/completions, streaming (SSE) and not. Choice index = prompt index * n + choice."""
+"""POST /v1/completions, streaming (SSE) and not. Choice index = prompt index * n + choice.
+
+Prompt logprobs come from the prefill (engine/prompt_logprobs.py): with ``echo`` + ``logprobs`` the choice's logprobs
+start with the prompt's tokens (OpenAI's legacy shape, how lm-evaluation-harness scores loglikelihoods), and vLLM's
+``prompt_logprobs`` adds a per-choice list keyed by token id. A stream sends them with the choice's first chunk (the
+echoed prompt waits for it)."""
 
 from __future__ import annotations
 
@@ -8,8 +13,9 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+from tokenmill.engine.messages import EngineRequest, RequestOutput
 from tokenmill.server.errors import APIError, bad_request
-from tokenmill.server.logprobs import completion_logprobs
+from tokenmill.server.logprobs import completion_logprobs, echo_logprobs, vllm_prompt_logprobs
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving import ServerContext, Tracker, make_requests, merged_outputs, sampling_params
 from tokenmill.server.structured import check, requested_grammar
@@ -32,10 +38,11 @@ async def prepare_completion(ctx: ServerContext, body: CompletionRequest, key_na
         raise bad_request("suffix is not supported", param="suffix")
     if body.best_of not in (None, body.n):
         raise bad_request("best_of other than n is not supported", param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo together with logprobs (prompt logprobs) is not supported yet", param="echo")
     prompts = await _prompts(ctx, body.prompt)
     params = sampling_params(body, body.max_tokens, body.logprobs)
+    wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+    if wanted:
+        params = dataclasses.replace(params, prompt_logprobs=max(wanted))
     constraint = requested_grammar(body)
     if constraint is not None:
         await check(ctx, *constraint)
@@ -51,12 +58,35 @@ async def _echo_prefixes(ctx: ServerContext, body: CompletionRequest, tracker: T
     return [await ctx.client.decode(r.prompt_token_ids, skip_special_tokens=True) for r in tracker.requests]
 
 
+async def _prompt_parts(ctx: ServerContext, body: CompletionRequest, request: EngineRequest, out: RequestOutput
+                        ) -> tuple[dict | None, list | None]:
+    """The prompt's logprobs of a choice's first output: the echo part of ``logprobs``, and vLLM's list."""
+    if out.prompt_logprobs is None:
+        return None, None
+    prompt, entries = request.prompt_token_ids, out.prompt_logprobs
+    echo = await echo_logprobs(ctx.client, prompt, _top(entries, body.logprobs)) \
+        if body.echo and body.logprobs is not None else None
+    listed = await vllm_prompt_logprobs(ctx.client, prompt, _top(entries, body.prompt_logprobs)) \
+        if body.prompt_logprobs is not None else None
+    return echo, listed
+
+
+def _top(entries: list, k: int) -> list:
+    """The entries with ``k`` top candidates (the engine computed the larger of the two counts asked)."""
+    return [e if e is None else (e[0], e[1][:k], e[2]) for e in entries]
+
+
 async def completion_response(ctx: ServerContext, body: CompletionRequest, tracker: Tracker) -> dict[str, Any]:
     texts = await _echo_prefixes(ctx, body, tracker)
     logprobs = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in texts]
+    prompt_logprobs: list[list | None] = [None] * len(texts)
     reasons: list[str | None] = [None] * len(texts)
     async for index, out in merged_outputs(ctx.client, tracker.requests):
         tracker.observe(out)
+        if out.prompt_logprobs is not None:
+            echo, prompt_logprobs[index] = await _prompt_parts(ctx, body, tracker.requests[index], out)
+            if echo is not None:
+                logprobs[index] = echo
         if body.logprobs is not None:
             for key, values in (await completion_logprobs(ctx.client, out, len(texts[index]))).items():
                 logprobs[index][key] += values
@@ -64,6 +94,9 @@ async def completion_response(ctx: ServerContext, body: CompletionRequest, track
         reasons[index] = out.finish_reason
     choices = [{"index": i, "text": texts[i], "logprobs": logprobs[i] if body.logprobs is not None else None,
                 "finish_reason": reasons[i]} for i in range(len(texts))]
+    if body.prompt_logprobs is not None:
+        for choice, listed in zip(choices, prompt_logprobs):
+            choice["prompt_logprobs"] = listed
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": ctx.model_name, "choices": choices, "usage": tracker.usage(body.n), "system_fingerprint": None}
 
@@ -74,20 +107,28 @@ async def completion_stream(ctx: ServerContext, body: CompletionRequest, tracker
             "model": ctx.model_name, "system_fingerprint": None}
     sent = [0] * len(tracker.requests)  # characters sent per choice, for text_offset
 
-    def chunk(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> str:
+    def chunk(index: int, text: str, finish_reason: str | None, logprobs: dict | None, **extra: Any) -> str:
         payload = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                        "finish_reason": finish_reason}]}
+                                        "finish_reason": finish_reason, **extra}]}
         if include_usage:
             payload["usage"] = None
         return json.dumps(payload)
 
-    for index, prefix in enumerate(await _echo_prefixes(ctx, body, tracker)):
-        if prefix:
+    prefixes = await _echo_prefixes(ctx, body, tracker)
+    waits = body.logprobs is not None or body.prompt_logprobs is not None  # for the prompt's logprobs
+    for index, prefix in enumerate(prefixes):
+        if prefix and not waits:
             sent[index] = len(prefix)
             yield chunk(index, prefix, None, None)
     try:
         async for index, out in merged_outputs(ctx.client, tracker.requests):
             tracker.observe(out)
+            if waits and out.prompt_logprobs is not None:  # the choice's first output: the prompt's part first
+                echo, listed = await _prompt_parts(ctx, body, tracker.requests[index], out)
+                extra = {"prompt_logprobs": listed} if body.prompt_logprobs is not None else {}
+                if prefixes[index] or extra:
+                    sent[index] = len(prefixes[index])
+                    yield chunk(index, prefixes[index], None, echo, **extra)
             lps = await completion_logprobs(ctx.client, out, sent[index]) if body.logprobs is not None else None
             if out.delta_text or out.finished or lps:
                 sent[index] += len(out.delta_text)

@@ -48,3 +48,36 @@ async def completion_logprobs(client: EngineClient, out: RequestOutput, text_off
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def echo_logprobs(client: EngineClient, prompt: list[int], entries: list) -> dict[str, list]:
+    """The prompt's part of ``echo`` + ``logprobs`` (OpenAI's legacy shape): its tokens with their logprobs and top
+    candidates, ``null`` for the first (nothing predicts it); offsets count the tokens' own text."""
+    ids = list(prompt) + [tid for e in entries if e for tid, _ in e[1]]
+    piece = dict(zip(ids, await client.token_pieces(ids)))
+    tokens, token_logprobs, tops, offsets, offset = [], [], [], [], 0
+    for token_id, entry in zip(prompt, entries):
+        tokens.append(piece[token_id].text)
+        token_logprobs.append(entry[0] if entry else None)
+        tops.append({piece[tid].text: lp for tid, lp in entry[1]} if entry else None)
+        offsets.append(offset)
+        offset += len(piece[token_id].text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def vllm_prompt_logprobs(client: EngineClient, prompt: list[int], entries: list) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first None), its own entry and its top candidates, keyed
+    by token id: ``{"logprob", "rank", "decoded_token"}``."""
+    ids = list(prompt) + [tid for e in entries if e for tid, _ in e[1]]
+    piece = dict(zip(ids, await client.token_pieces(ids)))
+    out: list[dict | None] = []
+    for token_id, entry in zip(prompt, entries):
+        if not entry:
+            out.append(None)
+            continue
+        logprob, top, rank = entry
+        ranked = {str(tid): {"logprob": lp, "rank": r, "decoded_token": piece[tid].text}
+                  for r, (tid, lp) in enumerate(top, 1)}
+        ranked[str(token_id)] = {"logprob": logprob, "rank": rank, "decoded_token": piece[token_id].text}
+        out.append(ranked)
+    return out

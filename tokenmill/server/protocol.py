@@ -198,6 +198,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: the prompt tokens' logprobs, per choice
     suffix: str | None = None
     best_of: int | None = None
 
