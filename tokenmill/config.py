@@ -31,7 +31,8 @@ SERVER_FIELDS = frozenset({"host", "port", "served_model_name", "api_key", "api_
                            "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json", "engine_process",
                            "tool_call_parser", "reasoning_parser", "chat_template", "default_chat_template_kwargs",
                            "responses_store_max_count", "responses_store_max_bytes", "max_request_body_bytes", "max_n", "max_stop_sequences",
-                           "max_stop_length", "max_logit_bias", "max_stop_token_ids", "max_prompts", "max_tools"})
+                           "max_stop_length", "max_logit_bias", "max_stop_token_ids", "max_prompts", "max_tools",
+                           "max_embedding_inputs"})
 
 
 class ConfigError(ValueError):
@@ -169,6 +170,8 @@ class EngineConfig(BaseSettings):
     max_stop_token_ids: int = Field(256, gt=0, description="most stop_token_ids per request")
     max_prompts: int = Field(64, gt=0, description="most prompts in one /v1/completions request")
     max_tools: int = Field(128, gt=0, description="most tools in one chat request")
+    max_embedding_inputs: int = Field(2048, gt=0, description="most inputs in one /v1/embeddings request "
+                                                              "(OpenAI's limit)")
     engine_process: bool = Field(True, description="run the engine core in its own process (--no-engine-process: "
                                                    "on a thread of the API process, one GIL for both)")
 

@@ -26,6 +26,7 @@ class Completion:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # Per prompt token (the first None): (its logprob, top candidates, its rank); None unless prompt_logprobs.
     prompt_logprobs: list | None = None
+    embedding: list[float] | None = None  # the prompt's pooled final hidden states (SamplingParams.pooling), raw
     error: str | None = None  # finish_reason "error": why the engine refused it (its grammar over budget, say)
 
 
@@ -120,6 +121,8 @@ class LLM:
                     completion.logprobs.extend(out.new_logprobs)
                 if out.prompt_logprobs is not None:
                     completion.prompt_logprobs = out.prompt_logprobs
+                if out.embedding is not None:
+                    completion.embedding = out.embedding
                 if out.finished:
                     completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
                     completion.error = out.error

@@ -79,7 +79,8 @@ class EngineCore:
             model_name=config.served_model_name or checkpoint.name, max_model_len=loaded.max_model_len,
             vocab_size=vocab_size, kv_capacity_tokens=kv.capacity_tokens, kv_bytes_per_token=spec.bytes_per_token,
             device=str(loaded.device), dtype=self.settled.dtype, eos_token_ids=eos,
-            weight_bytes=loaded.model.weight_bytes(), kv_groups=spec.groups, kv_block_size=spec.block_size)
+            weight_bytes=loaded.model.weight_bytes(), kv_groups=spec.groups, kv_block_size=spec.block_size,
+            hidden_size=loaded.model.config.hidden_size)
         groups = spec.groups
         log.info("engine ready: model=%s device=%s dtype=%s kv=%s blocks=%d (%d tokens, %d bytes/token)%s",
                  self.info.model_name, loaded.device, self.settled.dtype, spec.dtype, kv.pool.num_blocks,
@@ -154,6 +155,7 @@ class EngineCore:
 
     def _output(self, update: RequestUpdate, result: RunnerOutput, text: str, now: float) -> RequestOutput:
         request, tokens = update.request, update.new_token_ids
+        first = bool(tokens) and request.num_output_tokens == len(tokens)  # the request's first output with tokens
         if request.is_finished:
             self.checks.remove(request.request_id)
         return RequestOutput(request.request_id, tokens, text, request.num_prompt_tokens,
@@ -161,6 +163,6 @@ class EngineCore:
                              num_cached_tokens=request.num_cached_tokens,
                              finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
                              new_logprobs=result.logprobs.get(request.request_id, [])[:len(tokens)],
-                             prompt_logprobs=request.prompt_logprobs if tokens and
-                             request.num_output_tokens == len(tokens) else None,
+                             prompt_logprobs=request.prompt_logprobs if first else None,
+                             embedding=request.embedding if first else None,
                              first_scheduled_time=request.first_scheduled_time, token_time=now, error=request.error)

@@ -21,6 +21,7 @@ import torch
 
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.sampling.metadata import SamplingMetadata
+from tokenmill.sampling.params import POOLING_MODES
 from tokenmill.sampling.sampler import step_seed
 from tokenmill.scheduler.output import NewRequestData, RunningRequestData
 
@@ -70,6 +71,7 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: the row asks for none
+        self.pooling = np.zeros(max_num_reqs, dtype=np.int64)  # POOLING_MODES index; 0: none
         self.seed = np.zeros(max_num_reqs, dtype=np.int64)
         self.seeded = np.zeros(max_num_reqs, dtype=bool)
         self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, values)
@@ -125,6 +127,7 @@ class InputBatch:
         self.min_tokens[row] = p.min_tokens
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.pooling[row] = POOLING_MODES.index(p.pooling)
         self.seeded[row], self.seed[row] = p.seed is not None, p.seed or 0
         if p.logit_bias:
             self.bias[row] = (np.array(list(p.logit_bias), dtype=np.int64),

@@ -49,6 +49,8 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # The prompt's logprobs (one per prompt token, the first None), in the request's first output with tokens.
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    # An embedding request's pooled hidden state (sampling_params.pooling), in its first output with tokens.
+    embedding: list[float] | None = None
     # Engine timing marks: when the request was first scheduled, when these tokens were sampled.
     first_scheduled_time: float | None = None
     token_time: float | None = None
@@ -99,6 +101,7 @@ class EngineInfo:
     weight_bytes: int = 0
     kv_groups: KVGroups | None = None  # the cache's layer groups (kvcache/groups.py); None: one full group
     kv_block_size: int = 16
+    hidden_size: int = 0  # of the final hidden states (an embedding's dimensions)
 
     def kv_tokens_held(self, num_tokens: int) -> int:
         """Of ``kv_capacity_tokens``, what a request of ``num_tokens`` tokens holds at most while it decodes: the

@@ -19,6 +19,7 @@ import torch
 
 from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.input_batch import InputBatch, StepInputs
+from tokenmill.engine.pooling import pooled_states
 from tokenmill.engine.prompt_logprobs import prompt_logprobs
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.sampling.sampler import Sampler, to_host
@@ -60,6 +61,7 @@ class ModelRunner:
         bitmasks = grammar.bitmasks if grammar is not None else {}
         result, kept = self._sample(inputs, hidden, bitmasks) if len(inputs.sample_rows) else (RunnerOutput(), [])
         result.prompt_logprobs = prompt_logprobs(self.model, self.batch, inputs, hidden)
+        result.pooled = pooled_states(self.batch, inputs, hidden)
         if self.proposer is not None:  # also when nothing sampled: a drafter's cache must see every position
             drafts = self.proposer.draft(self._draft_context(inputs, hidden, kept))
             result.drafts = dict(zip(result.sampled, drafts))

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from tokenmill.structured.spec import GrammarSpec
 
 
+POOLING_MODES = (None, "last", "mean", "cls")
+
+
 class SamplingParamError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
@@ -38,6 +41,9 @@ class SamplingParams:
     # Logprobs of the prompt's own tokens (vLLM's prompt_logprobs): each one's and this many top candidates, from
     # the prefill; such a request computes its whole prompt (no prefix-cache hit skips positions).
     prompt_logprobs: int | None = None
+    # Embeddings: the prompt's final hidden states pooled (``last`` token, ``mean`` of all, ``cls``: the first),
+    # returned with the request's first output (it asks for one token and ends there).
+    pooling: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text instead of being cut
     grammar: GrammarSpec | None = None  # structured outputs: every output token keeps the text inside this grammar
@@ -69,6 +75,7 @@ class SamplingParams:
              "must not exceed max_tokens"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
+            ("pooling", self.pooling in POOLING_MODES, f"must be one of {', '.join(map(str, POOLING_MODES))}"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be non-negative token ids"),

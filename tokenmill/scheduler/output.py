@@ -88,6 +88,8 @@ class RunnerOutput:
     drafts: dict[str, list[int]] = field(default_factory=dict)  # the proposer's drafts for the next step
     # Prompt logprobs computed this step, per request that asked: (the first prompt index they are of, entries).
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
+    # Embeddings: per pooling request, the step's part of its pooled hidden state (a sum of vectors, how many).
+    pooled: dict[str, tuple[list[float], int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

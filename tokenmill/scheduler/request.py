@@ -58,6 +58,10 @@ class Request:
     # Prompt logprobs (sampling_params.prompt_logprobs): one entry per prompt token, None until computed (the first
     # token's stays None: nothing predicts it); sent with the request's first output.
     prompt_logprobs: list | None = None
+    # Embeddings (sampling_params.pooling): the sum of the pooled hidden states so far and how many; a preemption
+    # starts it over with the prefill.
+    pooled_sum: list[float] | None = None
+    num_pooled: int = 0
     # Draft tokens to verify in the next step (speculative decoding); proposed after each step, consumed by the next.
     spec_token_ids: list[int] = field(default_factory=list)
     # What stopped the request: a token id, a stop string, or None (EOS, length, abort, a complete grammar output).
@@ -74,6 +78,18 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Its prompt's positions are all read (prompt logprobs, mean or CLS pooling): no prefix-cache hit may skip
+        them. Last-token pooling reads only the last, which is always computed."""
+        return self.prompt_logprobs is not None or self.sampling_params.pooling in ("mean", "cls")
+
+    @property
+    def embedding(self) -> list[float] | None:
+        if self.pooled_sum is None or not self.num_pooled:
+            return None
+        return [value / self.num_pooled for value in self.pooled_sum]
 
     @property
     def num_prompt_tokens(self) -> int:

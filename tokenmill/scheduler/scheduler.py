@@ -109,8 +109,7 @@ class Scheduler:
         for request in admissible:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            # Prompt logprobs need every prompt position computed: such a request takes no prefix-cache hit.
-            hits = self.kv.find_cached_prefix(request) if request.prompt_logprobs is None else []
+            hits = [] if request.needs_every_position else self.kv.find_cached_prefix(request)
             num_hit_tokens = len(hits[0]) * self.kv.block_size if hits else 0
             n = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(request, n, hits):
@@ -172,6 +171,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.pooled_sum, request.num_pooled = None, 0  # pooled again from the recomputed prefill
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -210,6 +210,11 @@ class Scheduler:
             if (prompt := result.prompt_logprobs.get(request_id)) is not None:  # a preempted prefill overwrites
                 start, entries = prompt
                 request.prompt_logprobs[start:start + len(entries)] = entries
+            if (pooled := result.pooled.get(request_id)) is not None:
+                total, count = pooled
+                request.pooled_sum = total if request.pooled_sum is None else \
+                    [a + b for a, b in zip(request.pooled_sum, total)]
+                request.num_pooled += count
             tokens = self._advance(request, num_tokens, out.spec_token_ids.get(request_id), result)
             kept, status = self._append(request, tokens, reports.stops.get(request_id))
             if kept and request.first_token_time is None:

@@ -84,6 +84,19 @@ class Completion(BaseModel):
     system_fingerprint: str | None = None
 
 
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 (encoding_format)
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: dict[str, int]
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]

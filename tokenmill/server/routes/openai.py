@@ -1,4 +1,4 @@
-"""OpenAI's /v1/models, /v1/chat/completions and /v1/completions."""
+"""OpenAI's /v1/models, /v1/chat/completions, /v1/completions and /v1/embeddings."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from fastapi import APIRouter, Depends, Request
 from tokenmill.server.chat import chat_response, chat_stream, prepare_chat
 from tokenmill.server.completions import completion_response, completion_stream, prepare_completion
 from tokenmill.server.deps import ServerState, api_key, check_model, ready_context, server_state
+from tokenmill.server.embeddings import EmbeddingRequest, embeddings_response, prepare_embeddings
 from tokenmill.server.limits import check_limits
-from tokenmill.server.openapi import ChatCompletion, Completion, ModelList, error_responses
+from tokenmill.server.openapi import ChatCompletion, Completion, EmbeddingList, ModelList, error_responses
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.respond import respond
 from tokenmill.server.serving import ServerContext
@@ -40,6 +41,15 @@ async def _generate(body, request: Request, key_name: str | None, ctx: ServerCon
 async def chat(body: ChatCompletionRequest, request: Request, key_name: str | None = Depends(api_key),
                ctx: ServerContext = Depends(ready_context)):
     return await _generate(body, request, key_name, ctx, prepare_chat, chat_stream, chat_response)
+
+
+@router.post("/embeddings", response_model=None, responses={200: {"model": EmbeddingList}, **GENERATION_ERRORS})
+async def embeddings(body: EmbeddingRequest, request: Request, key_name: str | None = Depends(api_key),
+                     ctx: ServerContext = Depends(ready_context)):
+    arrival = time.monotonic()
+    check_model(ctx, body.model)
+    tracker = await prepare_embeddings(ctx, body, key_name, arrival)
+    return await respond(request, tracker, None, lambda: embeddings_response(ctx, body, tracker))
 
 
 @router.post("/completions", response_model=None, responses={200: {"model": Completion}, **GENERATION_ERRORS})
