@@ -148,3 +148,4 @@ def test_reasoning_switches_reach_the_template(server):
     reserved = httpx.post(root + "/v1/chat/completions", json={"model": model, "messages": question,
                                                                "chat_template_kwargs": {"tools": []}})
     assert reserved.status_code == 400 and reserved.json()["error"]["param"] == "chat_template_kwargs.tools"
+

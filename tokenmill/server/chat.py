@@ -15,6 +15,7 @@ from tokenmill.server.protocol import UNSUPPORTED, ChatCompletionRequest, ChatMe
 from tokenmill.server.serving import ServerContext, Tracker, make_requests, merged_outputs, sampling_params
 from tokenmill.server.structured import check, requested_grammar
 from tokenmill.server.tool_calls import ToolPlan, plan_tools, tool_calls_message
+from tokenmill.structured.thinking import after_thinking
 from tokenmill.tools.parser import ToolCallParser
 from tokenmill.tools.prompt import render_messages
 from tokenmill.tools.reasoning import ReasoningParser
@@ -109,15 +110,18 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name
                                      kwargs=kwargs)
     if constraint is not None:
         await check(ctx, *constraint)
+    grammar_param = "tools" if plan.grammar else constraint[0] if constraint else None
+    grammar = plan.grammar or (constraint[1] if constraint else None)
+    if grammar is not None and ctx.reasoning is not None:  # the model thinks first; the constraint holds after
+        grammar = after_thinking(grammar, ctx.reasoning)
+        await check(ctx, grammar_param, grammar)
     top = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, max_tokens, top)
-    grammar = plan.grammar or (constraint[1] if constraint else None)
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
     requests, reservation = make_requests(ctx, [prompt], params, "messages", arrival, body.cache_salt)
-    return Tracker(ctx, endpoint, arrival, key_name, requests, reservation, tools=plan,
-                   grammar_param="tools" if plan.grammar else constraint[0] if constraint else None)
+    return Tracker(ctx, endpoint, arrival, key_name, requests, reservation, tools=plan, grammar_param=grammar_param)
 
 
 def split_reasoning(ctx: ServerContext, text: str) -> tuple[str | None, str]:
