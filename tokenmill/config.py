@@ -30,7 +30,8 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
 SERVER_FIELDS = frozenset({"host", "port", "served_model_name", "api_key", "api_key_file", "auth_all_endpoints",
                            "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json", "engine_process",
                            "tool_call_parser", "reasoning_parser", "chat_template", "default_chat_template_kwargs",
-                           "responses_store_max_count", "responses_store_max_bytes", "max_request_body_bytes", "max_n", "max_stop_sequences",
+                           "responses_store_max_count", "responses_store_max_bytes", "max_request_body_bytes", "max_n",
+                           "max_stop_sequences",
                            "max_stop_length", "max_logit_bias", "max_stop_token_ids", "max_prompts", "max_tools",
                            "max_embedding_inputs"})
 
@@ -147,7 +148,8 @@ class EngineConfig(BaseSettings):
         2.0, gt=0, description="admit while promised tokens (prompt + max_tokens of live requests) <= this x "
                                "KV cache tokens; beyond it requests get 429")
     log_json: bool = Field(False, description="one JSON object per log line")
-    tool_call_parser: Literal["auto", "hermes", "llama3_json", "deepseek_v3"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "deepseek_v3", "kimi_k2", "qwen3_coder",
+                              "glm45"] = Field(
         "auto", description="the model's tool-call format; auto = read from its chat template (hermes when it has "
                             "none)")
     reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3", "glm45"] = Field(
@@ -157,8 +159,9 @@ class EngineConfig(BaseSettings):
     default_chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description='variables every chat template rendering gets (JSON, e.g. '
                                           '\'{"enable_thinking": false}\'); a request\'s chat_template_kwargs win')
-    responses_store_max_count: int = Field(1000, ge=0, description="most responses /v1/responses keeps for "
-                                                                   "previous_response_id and GET (oldest dropped first)")
+    responses_store_max_count: int = Field(
+        1000, ge=0, description="most responses /v1/responses keeps for previous_response_id and GET (the least "
+                                "recently used dropped first)")
     responses_store_max_bytes: int = Field(64 * 2**20, ge=0, description="most bytes of stored responses "
                                                                          "(accepts '64MiB')")
     # --- request limits (each a 400 naming the parameter)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tokenmill.tools.formats import DEEPSEEK_V3, HERMES, LLAMA3_JSON, detect_format
+from tokenmill.tools.formats import DEEPSEEK_V3, GLM45, HERMES, KIMI_K2, LLAMA3_JSON, QWEN3_CODER, detect_format
 from tokenmill.tools.parser import ToolCallParser, parse_tool_calls
 
 ARGS = [{"city": "Paris", "note": "say \"hi\" {not a brace} \\ ok"}, {"q": [1, {"a": "}"}], "e": None}]
@@ -18,14 +18,26 @@ CASES = {
     "deepseek_v3": (DEEPSEEK_V3, "Let me check.<｜tool▁calls▁begin｜>" + "\n".join(
         f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>f{i}\n```json\n{json.dumps(a)}\n```<｜tool▁call▁end｜>"
         for i, a in enumerate(ARGS)) + "<｜tool▁calls▁end｜>"),
+    "kimi_k2": (KIMI_K2, "Let me check.<|tool_calls_section_begin|>" + "".join(
+        f"<|tool_call_begin|>functions.f{i}:{i}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
+        for i, a in enumerate(ARGS)) + "<|tool_calls_section_end|>"),
+    "qwen3_coder": (QWEN3_CODER, "Let me check.\n" + "\n".join(
+        QWEN3_CODER.render_call(f"f{i}", json.dumps(a)) for i, a in enumerate(ARGS))),
+    "glm45": (GLM45, "Let me check.\n" + "\n".join(
+        GLM45.render_call(f"f{i}", json.dumps(a)) for i, a in enumerate(ARGS))),
 }
+CONTENT = {"llama3_json": "", "hermes": "Let me check.\n", "qwen3_coder": "Let me check.\n",
+           "glm45": "Let me check.\n"}
+# The XML formats type each parameter by its schema (what is not a string is read as JSON).
+SCHEMAS = {"f0": {"properties": {"city": {"type": "string"}, "note": {"type": "string"}}},
+           "f1": {"properties": {"q": {"type": "array"}, "e": {"type": ["null", "integer"]}}}}
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_whole_parse(name):
     fmt, text = CASES[name]
-    content, calls = parse_tool_calls(fmt, text)
-    assert content == ("" if name == "llama3_json" else "Let me check.\n" if name == "hermes" else "Let me check.")
+    content, calls = parse_tool_calls(fmt, text, SCHEMAS)
+    assert content == CONTENT.get(name, "Let me check.")
     assert [c.name for c in calls] == ["f0", "f1"]
     assert [json.loads(c.arguments) for c in calls] == ARGS
     assert len({c.id for c in calls}) == 2
@@ -37,7 +49,7 @@ def test_streamed_deltas_reassemble(name, seed):
     fmt, text = CASES[name]
     rng = random.Random(seed)
     cuts = sorted(rng.sample(range(1, len(text)), 25))
-    parser, content, calls = ToolCallParser(fmt), "", {}
+    parser, content, calls = ToolCallParser(fmt, SCHEMAS), "", {}
     for a, b in zip([0, *cuts], [*cuts, len(text)]):
         c, deltas = parser.feed(text[a:b])
         content += c
@@ -48,7 +60,7 @@ def test_streamed_deltas_reassemble(name, seed):
             else:
                 calls[d.index][1] += d.arguments
     content += parser.finish()[0]
-    whole_content, whole = parse_tool_calls(fmt, text)
+    whole_content, whole = parse_tool_calls(fmt, text, SCHEMAS)
     assert content == whole_content
     assert [tuple(v) for v in calls.values()] == [(c.name, c.arguments) for c in whole]
 
@@ -66,6 +78,25 @@ def test_format_detection():
     assert detect_format("{{'<｜tool▁calls▁begin｜>'}}") is DEEPSEEK_V3
     assert detect_format("{% for m in messages %}{{ m.content }}{% endfor %}") is HERMES
     assert detect_format(None, "llama3_json") is LLAMA3_JSON
+    assert detect_format("{{ '<|tool_calls_section_begin|>' }}") is KIMI_K2
+    assert detect_format("<function={{ name }}>\n<parameter={{ key }}>") is QWEN3_CODER
+    assert detect_format("<arg_key>{{ k }}</arg_key>") is GLM45
+
+
+def test_xml_parameters_are_typed_by_the_schema():
+    text = QWEN3_CODER.render_call("f", json.dumps({"n": 3, "s": "3", "flag": True, "free": "x"}))
+    schemas = {"f": {"properties": {"n": {"type": "integer"}, "s": {"type": "string"}, "flag": {"type": "boolean"}}}}
+    assert json.loads(parse_tool_calls(QWEN3_CODER, text, schemas)[1][0].arguments) == \
+        {"n": 3, "s": "3", "flag": True, "free": "x"}
+    cut = ToolCallParser(QWEN3_CODER, schemas)  # an output cut inside a call still gives an object
+    cut.feed("<tool_call>\n<function=f>\n<parameter=n>\n4\n</parameter>\n")
+    cut.finish()
+    assert json.loads(cut.calls[0].arguments) == {"n": 4}
+
+
+def test_kimi_ids_are_the_headers():
+    _, calls = parse_tool_calls(KIMI_K2, CASES["kimi_k2"][1])
+    assert [c.id for c in calls] == ["functions.f0:0", "functions.f1:1"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -112,3 +143,12 @@ def test_required_means_calls_only(name, smollm_llm):
     assert accepts(call, True) and accepts(call + "\n" + call, True)
     assert not accepts(call + "\n" + call, False)
     assert not accepts(call + " And that is all.", True)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_one_character_at_a_time(name):
+    fmt, text = CASES[name]
+    parser = ToolCallParser(fmt, SCHEMAS)
+    names = [d.name for ch in text for d in parser.feed(ch)[1] if d.id is not None]
+    parser.finish()
+    assert names == ["f0", "f1"] and [json.loads(c.arguments) for c in parser.calls] == ARGS

@@ -238,7 +238,7 @@ async def messages_response(ctx: ServerContext, body: MessagesRequest, tracker: 
     thinking, text = split_reasoning(ctx, text)
     parser = None
     if tracker.tools.active:
-        parser = ToolCallParser(ctx.tool_format)
+        parser = tracker.tools.parser(ctx.tool_format)
         parser.feed(text)
         parser.finish()
         text = parser.content
@@ -260,7 +260,7 @@ async def messages_stream(ctx: ServerContext, body: MessagesRequest, tracker: Tr
     start = _message(ctx, [], None, {"input_tokens": prompt, "output_tokens": 0})
     yield _event("message_start", message=start)
     yield _event("ping")
-    parser = ToolCallParser(ctx.tool_format) if tracker.tools.active else None
+    parser = tracker.tools.parser(ctx.tool_format) if tracker.tools.active else None
     reasoner = ReasoningParser(ctx.reasoning) if ctx.reasoning else None
     block: int | None = None  # the open block's index
     kind = None  # its type

@@ -153,7 +153,7 @@ async def chat_response(ctx: ServerContext, body: ChatCompletionRequest, tracker
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         parser = None
         if tracker.tools.active:  # tool calls are read from the answer only, never from the thinking
-            parser = ToolCallParser(ctx.tool_format)
+            parser = tracker.tools.parser(ctx.tool_format)
             parser.feed(text)
             parser.finish()
             message = tool_calls_message(parser)
@@ -174,7 +174,7 @@ async def chat_stream(ctx: ServerContext, body: ChatCompletionRequest, tracker: 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": ctx.model_name, "system_fingerprint": None}
-    parsers = [ToolCallParser(ctx.tool_format) if tracker.tools.active else None for _ in tracker.requests]
+    parsers = [tracker.tools.parser(ctx.tool_format) if tracker.tools.active else None for _ in tracker.requests]
     reasoners = [ReasoningParser(ctx.reasoning) if ctx.reasoning else None for _ in tracker.requests]
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:

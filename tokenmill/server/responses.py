@@ -29,7 +29,6 @@ from tokenmill.server.limits import check_limits
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.responses_input import ResponsesRequest, chat_messages, check_served, input_items
 from tokenmill.server.serving import ServerContext, Tracker, merged_outputs
-from tokenmill.tools.parser import ToolCallParser
 from tokenmill.tools.reasoning import ReasoningParser
 
 
@@ -172,7 +171,7 @@ async def whole_response(ctx: ServerContext, ex: Exchange) -> dict[str, Any]:
         split.finish()
         reasoning, text = split.reasoning, split.content
     if ex.tracker.tools.active:  # tool calls are read from the answer only, never from the thinking
-        parser = ToolCallParser(ctx.tool_format)
+        parser = ex.tracker.tools.parser(ctx.tool_format)
         parser.feed(text)
         parser.finish()
         text, calls = parser.content, parser.calls
@@ -263,7 +262,7 @@ async def response_stream(ctx: ServerContext, ex: Exchange) -> AsyncIterator[dic
     events = _Events(ex, ctx)
     yield events.lifecycle("response.created", "in_progress")
     yield events.lifecycle("response.in_progress", "in_progress")
-    parser = ToolCallParser(ctx.tool_format) if ex.tracker.tools.active else None
+    parser = ex.tracker.tools.parser(ctx.tool_format) if ex.tracker.tools.active else None
     reasoner = ReasoningParser(ctx.reasoning) if ctx.reasoning else None
     reason, reasoning = None, ""
     try:

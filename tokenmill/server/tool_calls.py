@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from tokenmill.server.errors import bad_request
 from tokenmill.server.structured import check
 from tokenmill.structured.spec import GrammarSpec
-from tokenmill.tools.formats import structural_tag
+from tokenmill.tools.formats import ToolFormat, structural_tag
 from tokenmill.tools.parser import ToolCallParser
 from tokenmill.tools.prompt import template_knows_tools
 
@@ -23,6 +23,11 @@ class ToolPlan:
     tools: list[dict] | None = None
     native: bool = False
     grammar: GrammarSpec | None = None
+
+    def parser(self, fmt: ToolFormat) -> ToolCallParser:
+        """A parser of this request's output, knowing its tools' parameter schemas (XML formats type by them)."""
+        return ToolCallParser(fmt, {t["function"]["name"]: t["function"].get("parameters") or {}
+                                    for t in self.tools or []})
 
 
 async def plan_tools(ctx, tools_given: list | None, choice, parallel_tool_calls: bool = True,

@@ -8,6 +8,12 @@ before the call's JSON arguments, and how one call is written (for templates tha
   separated by ``;``
 - deepseek_v3 (DeepSeek-V3/R1): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\n{..}\\n```
   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``
+- kimi_k2 (Kimi-K2): ``<|tool_calls_section_begin|><|tool_call_begin|>functions.N:0<|tool_call_argument_begin|>{..}
+  <|tool_call_end|>...<|tool_calls_section_end|>``; the call's id is the header's ``functions.N:i`` (the template
+  writes ids back as they came)
+- qwen3_coder (Qwen3-Coder, Qwen3.5): ``<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n</parameter>...</function>\\n
+  </tool_call>``: XML parameters, read into JSON arguments typed by the tool's schema
+- glm45 (GLM-4.5 .. 4.7): ``<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>``, likewise
 """
 
 from __future__ import annotations
@@ -24,9 +30,24 @@ class ToolFormat:
     triggers: tuple[str, ...]  # text that starts a call; what precedes the first is the message content
     header: re.Pattern  # from a trigger to the first character of the arguments; group "name"
     call_template: str  # one call, written: {name} and {arguments}
+    # XML arguments (None: JSON): one parameter's opening (group "key"), what ends its value, what ends the call,
+    # and one parameter written ({key}, {value}).
+    xml: XmlArguments | None = None
 
     def render_call(self, name: str, arguments: str) -> str:
+        if self.xml is not None:
+            values = json.loads(arguments) if arguments.strip().startswith("{") else {}
+            arguments = "".join(self.xml.param_template.format(key=k, value=v if isinstance(v, str) else json.dumps(v))
+                                for k, v in values.items())
         return self.call_template.format(name=name, arguments=arguments)
+
+
+@dataclass(frozen=True)
+class XmlArguments:
+    key: re.Pattern
+    value_end: str
+    call_end: str
+    param_template: str
 
 
 _NAME = r'"name"\s*:\s*"(?P<name>[^"]+)"'
@@ -45,7 +66,26 @@ DEEPSEEK_V3 = ToolFormat(
     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{arguments}\n```"
     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
 
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, DEEPSEEK_V3)}
+KIMI_K2 = ToolFormat(
+    "kimi_k2", "kimi", ("<|tool_calls_section_begin|>", "<|tool_call_begin|>"),
+    re.compile(r"\s*(?:<\|tool_calls_section_begin\|>)?\s*<\|tool_call_begin\|>\s*"
+               r"(?P<id>(?:functions\.)?(?P<name>[^:<\s]+)(?::\d+)?)\s*<\|tool_call_argument_begin\|>\s*"),
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>{arguments}"
+    "<|tool_call_end|><|tool_calls_section_end|>")
+QWEN3_CODER = ToolFormat(
+    "qwen3_coder", "qwen_3_coder", ("<tool_call>",),
+    re.compile(r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>\n?"),
+    "<tool_call>\n<function={name}>\n{arguments}</function>\n</tool_call>",
+    XmlArguments(re.compile(r"\s*<parameter=(?P<key>[^>\n]+)>\n?"), "</parameter>", "</function>",
+                 "<parameter={key}>\n{value}\n</parameter>\n"))
+GLM45 = ToolFormat(
+    "glm45", "glm_4_7", ("<tool_call>",),
+    re.compile(r"\s*<tool_call>\s*(?P<name>[^\s<]+)(?=\s|<)"),  # the name ends where a parameter or the end starts
+    "<tool_call>{name}\n{arguments}</tool_call>",
+    XmlArguments(re.compile(r"\s*<arg_key>\s*(?P<key>[^<]+?)\s*</arg_key>\s*<arg_value>"), "</arg_value>",
+                 "</tool_call>", "<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n"))
+
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, DEEPSEEK_V3, KIMI_K2, QWEN3_CODER, GLM45)}
 
 
 def detect_format(chat_template: str | None, configured: str = "auto") -> ToolFormat:
@@ -55,9 +95,20 @@ def detect_format(chat_template: str | None, configured: str = "auto") -> ToolFo
     template = chat_template or ""
     if "tool▁calls▁begin" in template or "tool▁call▁begin" in template:
         return DEEPSEEK_V3
+    if "<|tool_calls_section_begin|>" in template:
+        return KIMI_K2
+    if "<parameter=" in template and "<function=" in template:
+        return QWEN3_CODER
+    if "<arg_key>" in template:
+        return GLM45
     if "<|python_tag|>" in template or '"parameters": ' in template and "ipython" in template:
         return LLAMA3_JSON
     return HERMES
+
+
+# The longest run of whitespace a call's arguments may hold (JSON indented four levels deep fits): unbounded, a
+# model that loops on newlines (a small one under XML parameters does) never ends its call.
+MAX_WHITESPACE = 20
 
 
 def structural_tag(fmt: ToolFormat, tools: list[dict], tool_choice: str | dict, parallel: bool) -> str:
@@ -67,15 +118,27 @@ def structural_tag(fmt: ToolFormat, tools: list[dict], tool_choice: str | dict, 
     import xgrammar as xgr
 
     tag = json.loads(xgr.get_model_structural_tag(fmt.structural_tag_model, tools=tools, tool_choice=tool_choice,
-                                                  reasoning="disabled", parallel_tool_calls=parallel)
-                     .model_dump_json())
+                                                  reasoning="disabled", parallel_tool_calls=parallel,
+                                                  max_whitespace_cnt=MAX_WHITESPACE).model_dump_json())
     body = tag["format"]
     if tool_choice == "required" and body["type"] == "triggered_tags":
         # xgrammar lets text run before, between and after the calls of ``required``; OpenAI's required answers
         # with calls alone, so the calls follow one another, separated by a newline.
         tag["format"] = {"type": "tags_with_separator", "tags": body["tags"], "separator": "\n",
                          "at_least_one": True, "stop_after_first": not parallel}
-    return json.dumps(tag)
+    return json.dumps(_bounded(tag))
+
+
+def _bounded(node):
+    """xgrammar's Kimi tag lets a call's index run to any number of digits (``\\d+``): a model that loops there
+    never ends its call. An index has at most 4 digits here."""
+    if isinstance(node, dict):
+        if node.get("type") == "regex" and node.get("pattern") == r"\d+":
+            return {**node, "pattern": r"\d{1,4}"}
+        return {key: _bounded(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_bounded(value) for value in node]
+    return node
 
 
 def arguments_json(arguments: str) -> dict:

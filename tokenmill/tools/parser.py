@@ -5,13 +5,18 @@ is held back) -> HEADER (waiting for the format's header: it gives the function 
 begin) -> ARGUMENTS (the JSON value is scanned character by character -- strings, escapes, nesting -- and sent as
 it comes; it ends where its outermost brace closes) -> BETWEEN (closers and separators are skipped until the next
 header) -> HEADER ... Text after the first call that starts no call is dropped, as OpenAI returns none there.
+Formats with XML parameters (qwen3_coder, glm45) go HEADER -> XML instead: each parameter is sent, once its value
+is complete, as the next member of the call's JSON object, typed by the tool's schema (``schemas``: a string
+parameter stays the text, any other is read as JSON where it parses), and the call's end closes the object.
 A header that does not come within ``MAX_HEADER_CHARS`` of a trigger was no call: its text is content after all.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.tools.formats import ToolFormat
 
@@ -36,6 +41,7 @@ class ParsedCall:
 @dataclass
 class ToolCallParser:
     fmt: ToolFormat
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # function name -> its parameters' schema
     text: str = ""
     pos: int = 0  # text[:pos] is consumed
     state: str = "CONTENT"
@@ -44,6 +50,7 @@ class ToolCallParser:
     _depth: int = 0
     _in_string: bool = False
     _escaped: bool = False
+    _xml_key: str | None = None  # the XML parameter whose value is being read
 
     def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
         """The content and tool-call deltas that ``delta`` completes."""
@@ -67,12 +74,15 @@ class ToolCallParser:
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """At the end of the output: held-back text is content, and so is a trigger no header followed."""
-        rest = ""
+        rest, late = "", []
         if self.state in ("CONTENT", "HEADER") and not self.calls:
             rest = self.text[self.pos:]
             self.pos = len(self.text)
+        elif self.state == "XML":  # cut off inside a call: close the object it has so far
+            late = [self._emit("}" if self.calls[-1].arguments else "{}")]
+            self.state = "BETWEEN"
         self.content += rest
-        return rest, []
+        return rest, late
 
     # --- states: each consumes what it can and returns content ("" for none), or None to wait for more text
     def _content(self, deltas: list[ToolCallDelta]) -> str | None:
@@ -96,12 +106,58 @@ class ToolCallParser:
                 self.pos += 1
                 return self.text[self.pos - 1]
             return None
-        call = ParsedCall(f"call_{uuid.uuid4().hex[:24]}", match.group("name").strip(), "")
+        given_id = match.groupdict().get("id")
+        call = ParsedCall(given_id.strip() if given_id else f"call_{uuid.uuid4().hex[:24]}",
+                          match.group("name").strip(), "")
         self.calls.append(call)
         deltas.append(ToolCallDelta(len(self.calls) - 1, call.id, call.name))
         self.pos = match.end()
-        self.state, self._depth, self._in_string, self._escaped = "ARGUMENTS", 0, False, False
+        self.state = "XML" if self.fmt.xml is not None else "ARGUMENTS"
+        self._depth, self._in_string, self._escaped, self._xml_key = 0, False, False, None
         return ""
+
+    def _xml(self, deltas: list[ToolCallDelta]) -> str | None:
+        xml, call = self.fmt.xml, self.calls[-1]
+        if self._xml_key is None:  # between parameters: the next one opens, or the call ends
+            opened = xml.key.match(self.text, self.pos)
+            if opened is not None:
+                self._xml_key, self.pos = opened.group("key").strip(), opened.end()
+                return ""
+            rest = self.text[self.pos:]
+            if not rest.lstrip().startswith(xml.call_end):
+                return None
+            self.pos += len(rest) - len(rest.lstrip()) + len(xml.call_end)
+            deltas.append(self._emit("}" if call.arguments else "{}"))
+            self.state = "BETWEEN"
+            return ""
+        end = self.text.find(xml.value_end, self.pos)
+        if end < 0:
+            return None
+        # The whitespace around a value is the format's (the templates write "\nV\n"; xgrammar's XML grammar allows
+        # a run of it on both sides), not the value's.
+        value = self.text[self.pos:end].strip()
+        self.pos = end + len(xml.value_end)
+        member = f"{json.dumps(self._xml_key, ensure_ascii=False)}: {self._typed(call.name, self._xml_key, value)}"
+        deltas.append(self._emit(("{" if not call.arguments else ", ") + member))
+        self._xml_key = None
+        return ""
+
+    def _typed(self, function: str, key: str, value: str) -> str:
+        """An XML parameter's value as JSON: text for a string parameter (or one the schema does not type), else
+        the value read as JSON where it parses (a number, a boolean, an object...)."""
+        schema = self.schemas.get(function, {}).get("properties", {}).get(key, {})
+        kinds = schema.get("type") or []
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        if kinds and "string" not in kinds:
+            try:
+                return json.dumps(json.loads(value), ensure_ascii=False)
+            except ValueError:
+                pass
+        return json.dumps(value, ensure_ascii=False)
+
+    def _emit(self, fragment: str) -> ToolCallDelta:
+        self.calls[-1].arguments += fragment
+        return ToolCallDelta(len(self.calls) - 1, arguments=fragment)
 
     def _arguments(self, deltas: list[ToolCallDelta]) -> str | None:
         if not self.calls[-1].arguments:  # whitespace before the value may arrive after the header matched
@@ -150,9 +206,10 @@ class ToolCallParser:
         return min((i for t in self.fmt.triggers if (i := text.find(t)) != -1), default=None)
 
 
-def parse_tool_calls(fmt: ToolFormat, text: str) -> tuple[str, list[ParsedCall]]:
+def parse_tool_calls(fmt: ToolFormat, text: str, schemas: dict[str, dict] | None = None
+                     ) -> tuple[str, list[ParsedCall]]:
     """A whole output -> (content before the calls, the calls)."""
-    parser = ToolCallParser(fmt)
+    parser = ToolCallParser(fmt, schemas or {})
     parser.feed(text)
     parser.finish()
     return parser.content, parser.calls
