@@ -17,7 +17,7 @@ def test_pooling_over_chunks_beside_decodes(smollm_llm, smollm_hf, prompt_ids):
     llm = LLM(dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="64MiB", max_num_batched_tokens=32)
     prompts = [prompt_ids[4], prompt_ids[3], prompt_ids[2], prompt_ids[0]]
     assert max(len(p) for p in prompts) > 32  # prefilled in several chunks
-    decoding = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    decoding = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     modes = ["mean", "cls", "last", "mean"]
     params = [decoding] * 2 + [SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, pooling=m) for m in modes]
     results = llm.generate(prompt_ids[:2] + prompts, params)

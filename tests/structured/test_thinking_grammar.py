@@ -1,4 +1,4 @@
-"""A constraint that starts once the thinking closes (structured/thinking.py), judged by xgrammar's own matcher on a
+"""A constraint that starts once the thinking closes (tools/thinking.py), judged by xgrammar's own matcher on a
 character vocabulary: free text inside the thinking, the constraint after it, for both kinds of reasoning format."""
 
 import json
@@ -7,7 +7,7 @@ import pytest
 import xgrammar as xgr
 
 from tokenmill.structured.spec import GrammarSpec
-from tokenmill.structured.thinking import after_thinking
+from tokenmill.tools.thinking import after_thinking
 from tokenmill.tools.formats import HERMES, structural_tag
 from tokenmill.tools.reasoning import DEEPSEEK_R1, QWEN3
 

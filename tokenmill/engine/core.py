@@ -24,6 +24,7 @@ from tokenmill.engine.messages import EngineInfo, EngineRequest, EngineStats, Re
 from tokenmill.engine.ranks import WorkerRanks
 from tokenmill.engine.settle import settle
 from tokenmill.kvcache.manager import KVCacheManager
+from tokenmill.models.pooling import read_pooling
 from tokenmill.runtime import resident_memory_bytes
 from tokenmill.scheduler.output import RunnerOutput
 from tokenmill.scheduler.request import Request
@@ -80,7 +81,7 @@ class EngineCore:
             vocab_size=vocab_size, kv_capacity_tokens=kv.capacity_tokens, kv_bytes_per_token=spec.bytes_per_token,
             device=str(loaded.device), dtype=self.settled.dtype, eos_token_ids=eos,
             weight_bytes=loaded.model.weight_bytes(), kv_groups=spec.groups, kv_block_size=spec.block_size,
-            hidden_size=loaded.model.config.hidden_size)
+            hidden_size=loaded.model.config.hidden_size, pooling=read_pooling(checkpoint.path))
         groups = spec.groups
         log.info("engine ready: model=%s device=%s dtype=%s kv=%s blocks=%d (%d tokens, %d bytes/token)%s",
                  self.info.model_name, loaded.device, self.settled.dtype, spec.dtype, kv.pool.num_blocks,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from tokenmill.kvcache.groups import KVGroups
+from tokenmill.models.pooling import Pooling
 from tokenmill.sampling.params import SamplingParamError, SamplingParams
 from tokenmill.scheduler.output import PromptLogprob, TokenLogprobs
 
@@ -102,6 +103,7 @@ class EngineInfo:
     kv_groups: KVGroups | None = None  # the cache's layer groups (kvcache/groups.py); None: one full group
     kv_block_size: int = 16
     hidden_size: int = 0  # of the final hidden states (an embedding's dimensions)
+    pooling: Pooling = field(default_factory=lambda: Pooling("last", True, "default"))  # /v1/embeddings' pooling
 
     def kv_tokens_held(self, num_tokens: int) -> int:
         """Of ``kv_capacity_tokens``, what a request of ``num_tokens`` tokens holds at most while it decodes: the

@@ -15,7 +15,7 @@ from tokenmill.server.protocol import UNSUPPORTED, ChatCompletionRequest, ChatMe
 from tokenmill.server.serving import ServerContext, Tracker, make_requests, merged_outputs, sampling_params
 from tokenmill.server.structured import check, requested_grammar
 from tokenmill.server.tool_calls import ToolPlan, plan_tools, tool_calls_message
-from tokenmill.structured.thinking import after_thinking
+from tokenmill.tools.thinking import after_thinking
 from tokenmill.tools.parser import ToolCallParser
 from tokenmill.tools.prompt import render_messages
 from tokenmill.tools.reasoning import ReasoningParser

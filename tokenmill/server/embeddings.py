@@ -44,7 +44,7 @@ async def _inputs(ctx: ServerContext, value: Any) -> list[list[int]]:
 
 
 def _check_dimensions(ctx: ServerContext, dimensions: int | None) -> None:
-    size, allowed = ctx.client.info.hidden_size, ctx.pooling.matryoshka
+    size, allowed = ctx.client.info.hidden_size, ctx.client.info.pooling.matryoshka
     if dimensions is None or dimensions == size:
         return
     if dimensions > size or not (allowed is True or dimensions in (allowed or ())):
@@ -55,11 +55,11 @@ def _check_dimensions(ctx: ServerContext, dimensions: int | None) -> None:
 
 async def prepare_embeddings(ctx: ServerContext, body: EmbeddingRequest, key_name: str | None,
                              arrival: float) -> Tracker:
-    if ctx.pooling.mode is None:
-        raise bad_request(f"this model does not serve embeddings: {ctx.pooling.refusal}", param="model")
+    if ctx.client.info.pooling.mode is None:
+        raise bad_request(f"this model does not serve embeddings: {ctx.client.info.pooling.refusal}", param="model")
     _check_dimensions(ctx, body.dimensions)
     prompts = await _inputs(ctx, body.input)
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling=ctx.pooling.mode)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling=ctx.client.info.pooling.mode)
     requests, reservation = make_requests(ctx, prompts, params, "input", arrival)
     return Tracker(ctx, "embeddings", arrival, key_name, requests, reservation)
 
@@ -67,7 +67,7 @@ async def prepare_embeddings(ctx: ServerContext, body: EmbeddingRequest, key_nam
 def _finish(ctx: ServerContext, vector: list[float], dimensions: int | None, encoding: str) -> list[float] | str:
     if dimensions is not None:
         vector = vector[:dimensions]
-    if ctx.pooling.normalize:
+    if ctx.client.info.pooling.normalize:
         norm = math.sqrt(sum(v * v for v in vector)) or 1.0
         vector = [v / norm for v in vector]
     if encoding == "base64":

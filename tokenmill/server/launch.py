@@ -25,8 +25,6 @@ import uvicorn
 from tokenmill.config import EngineConfig
 from tokenmill.engine.client import EngineClient
 from tokenmill.logs import configure_logging
-from tokenmill.models.paths import model_path
-from tokenmill.models.pooling import read_pooling
 from tokenmill.server.admission import Admission
 from tokenmill.server.app import ServerState, build_app
 from tokenmill.server.auth import Authenticator, load_keys
@@ -89,11 +87,11 @@ def _loader(config: EngineConfig, clients: list[EngineClient], on_failure: Calla
         reasoning = detect_reasoning(client.chat_template, config.reasoning_parser)
         log.info("tool calls: %s format; reasoning: %s", tool_format.name, reasoning.name if reasoning else "none")
         responses = ResponseStore(config.responses_store_max_count, config.responses_store_max_bytes)
-        pooling = read_pooling(model_path(config.model))
+        pooling = info.pooling
         log.info("embeddings: %s", f"{pooling.mode} pooling{', normalized' if pooling.normalize else ''} "
                  f"({pooling.source})" if pooling.mode else f"not served ({pooling.refusal})")
         return ServerContext(client, Metrics(client, admission, info.model_name), info.model_name, config, admission,
-                             tool_format, reasoning, responses, pooling)
+                             tool_format, reasoning, responses)
     return load
 
 

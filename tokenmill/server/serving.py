@@ -11,7 +11,6 @@ from typing import AsyncIterator
 from tokenmill.config import EngineConfig
 from tokenmill.engine.client import EngineClient, EngineDeadError
 from tokenmill.engine.messages import ContextLengthError, EngineRequest, PromptError, RequestOutput
-from tokenmill.models.pooling import Pooling
 from tokenmill.sampling.params import SamplingParamError, SamplingParams
 from tokenmill.server.admission import Admission, Reservation
 from tokenmill.server.errors import APIError, bad_request
@@ -37,7 +36,6 @@ class ServerContext:
     tool_format: ToolFormat = HERMES
     reasoning: ReasoningFormat | None = None  # how thinking is split from the answer (tools/reasoning.py)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(0, 0))  # /v1/responses' store
-    pooling: Pooling = Pooling("last", True, "default")  # how /v1/embeddings pools (models/pooling.py)
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
