@@ -1,7 +1,8 @@
 """Each tool-call format through a chat template that writes it (tiny Qwen3 checkpoints, the format read from the
 template): a forced call comes back parsed into arguments that satisfy the tool's schema, streamed as whole; the
 call and its result go back through the template exactly as transformers renders the same messages; the model then
-answers. Kimi-K2's JSON in its own section tokens, Qwen3-Coder's and GLM-4.5's XML parameters."""
+answers. Kimi-K2's JSON in its own section tokens, Qwen3-Coder's and GLM-4.5's XML parameters, gpt-oss's harmony
+channels (the call may come after an analysis message: its thinking)."""
 
 import json
 
@@ -41,6 +42,17 @@ TEMPLATES = {
         "CALLS", "{% for tc in m.tool_calls %}<tool_call>{{ tc.function.name }}\n"
                  "{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>\n<arg_value>" + VALUE +
                  "</arg_value>\n{% endfor %}</tool_call>{% endfor %}")),
+    "gpt_oss": (
+        "{%- if tools %}<|start|>developer<|message|># Tools\n{% for t in tools %}{{ t.function | tojson }}\n"
+        "{% endfor %}<|end|>{%- endif %}{%- for m in messages %}"
+        "{%- if m.role == 'assistant' and m.tool_calls %}{% for tc in m.tool_calls %}<|start|>assistant<|channel|>"
+        "commentary to=functions.{{ tc.function.name }} <|constrain|>json<|message|>"
+        "{{ tc.function.arguments | tojson }}<|call|>{% endfor %}"
+        "{%- elif m.role == 'tool' %}<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+        "{{ m.content }}<|end|>"
+        "{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+        "{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"),
 }
 
 

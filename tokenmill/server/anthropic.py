@@ -31,7 +31,7 @@ from tokenmill.server.limits import check_limits
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
 from tokenmill.server.serving import ServerContext, Tracker, merged_outputs
 from tokenmill.tools.parser import ToolCallParser
-from tokenmill.tools.reasoning import ReasoningParser
+from tokenmill.tools.split import reasoning_parser
 
 
 class _Strict(BaseModel):  # Anthropic's API refuses fields it does not know too
@@ -261,7 +261,7 @@ async def messages_stream(ctx: ServerContext, body: MessagesRequest, tracker: Tr
     yield _event("message_start", message=start)
     yield _event("ping")
     parser = tracker.tools.parser(ctx.tool_format) if tracker.tools.active else None
-    reasoner = ReasoningParser(ctx.reasoning) if ctx.reasoning else None
+    reasoner = reasoning_parser(ctx.reasoning) if ctx.reasoning else None
     block: int | None = None  # the open block's index
     kind = None  # its type
     count, reason, stop = 0, None, None

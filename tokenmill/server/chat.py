@@ -18,7 +18,7 @@ from tokenmill.server.tool_calls import ToolPlan, plan_tools, tool_calls_message
 from tokenmill.tools.thinking import after_thinking
 from tokenmill.tools.parser import ToolCallParser
 from tokenmill.tools.prompt import render_messages
-from tokenmill.tools.reasoning import ReasoningParser
+from tokenmill.tools.split import reasoning_parser
 
 
 def _reject_unsupported(body: ChatCompletionRequest) -> None:
@@ -118,6 +118,8 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name
     top = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, max_tokens, top)
+    if "gpt_oss" in (ctx.tool_format.name, ctx.reasoning.name if ctx.reasoning else None):
+        params = dataclasses.replace(params, skip_special_tokens=False)  # harmony's markup is special tokens
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
     requests, reservation = make_requests(ctx, [prompt], params, "messages", arrival, body.cache_salt)
@@ -128,7 +130,7 @@ def split_reasoning(ctx: ServerContext, text: str) -> tuple[str | None, str]:
     """A whole output's thinking (None when there is none, or no reasoning format) and its answer."""
     if ctx.reasoning is None:
         return None, text
-    split = ReasoningParser(ctx.reasoning)
+    split = reasoning_parser(ctx.reasoning)
     split.feed(text)
     split.finish()
     return split.reasoning or None, split.content
@@ -175,7 +177,7 @@ async def chat_stream(ctx: ServerContext, body: ChatCompletionRequest, tracker: 
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": ctx.model_name, "system_fingerprint": None}
     parsers = [tracker.tools.parser(ctx.tool_format) if tracker.tools.active else None for _ in tracker.requests]
-    reasoners = [ReasoningParser(ctx.reasoning) if ctx.reasoning else None for _ in tracker.requests]
+    reasoners = [reasoning_parser(ctx.reasoning) if ctx.reasoning else None for _ in tracker.requests]
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,

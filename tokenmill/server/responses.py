@@ -29,7 +29,7 @@ from tokenmill.server.limits import check_limits
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.responses_input import ResponsesRequest, chat_messages, check_served, input_items
 from tokenmill.server.serving import ServerContext, Tracker, merged_outputs
-from tokenmill.tools.reasoning import ReasoningParser
+from tokenmill.tools.split import reasoning_parser
 
 
 @dataclass
@@ -166,7 +166,7 @@ async def whole_response(ctx: ServerContext, ex: Exchange) -> dict[str, Any]:
         reason = out.finish_reason
     reasoning, calls = "", []
     if ctx.reasoning is not None:
-        split = ReasoningParser(ctx.reasoning)
+        split = reasoning_parser(ctx.reasoning)
         split.feed(text)
         split.finish()
         reasoning, text = split.reasoning, split.content
@@ -263,7 +263,7 @@ async def response_stream(ctx: ServerContext, ex: Exchange) -> AsyncIterator[dic
     yield events.lifecycle("response.created", "in_progress")
     yield events.lifecycle("response.in_progress", "in_progress")
     parser = ex.tracker.tools.parser(ctx.tool_format) if ex.tracker.tools.active else None
-    reasoner = ReasoningParser(ctx.reasoning) if ctx.reasoning else None
+    reasoner = reasoning_parser(ctx.reasoning) if ctx.reasoning else None
     reason, reasoning = None, ""
     try:
         async for _, out in merged_outputs(ctx.client, ex.tracker.requests):

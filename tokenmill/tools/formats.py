@@ -14,6 +14,8 @@ before the call's JSON arguments, and how one call is written (for templates tha
 - qwen3_coder (Qwen3-Coder, Qwen3.5): ``<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n</parameter>...</function>\\n
   </tool_call>``: XML parameters, read into JSON arguments typed by the tool's schema
 - glm45 (GLM-4.5 .. 4.7): ``<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>``, likewise
+- gpt_oss (harmony): ``<|channel|>commentary to=functions.N <|constrain|>json<|message|>{..}<|call|>``, as
+  tools/harmony.py spells the model's calls
 """
 
 from __future__ import annotations
@@ -85,7 +87,13 @@ GLM45 = ToolFormat(
     XmlArguments(re.compile(r"\s*<arg_key>\s*(?P<key>[^<]+?)\s*</arg_key>\s*<arg_value>"), "</arg_value>",
                  "</tool_call>", "<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n"))
 
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, DEEPSEEK_V3, KIMI_K2, QWEN3_CODER, GLM45)}
+# The harmony reader (tools/harmony.py) passes every call on in this one spelling, wherever the model put "to=".
+GPT_OSS = ToolFormat(
+    "gpt_oss", "harmony", ("<|channel|>commentary to=",),
+    re.compile(r"\s*<\|channel\|>commentary to=functions\.(?P<name>[^\s<]+) <\|constrain\|>json<\|message\|>"),
+    "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{arguments}<|call|>")
+
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, DEEPSEEK_V3, KIMI_K2, QWEN3_CODER, GLM45, GPT_OSS)}
 
 
 def detect_format(chat_template: str | None, configured: str = "auto") -> ToolFormat:
@@ -97,6 +105,8 @@ def detect_format(chat_template: str | None, configured: str = "auto") -> ToolFo
         return DEEPSEEK_V3
     if "<|tool_calls_section_begin|>" in template:
         return KIMI_K2
+    if "<|channel|>" in template:
+        return GPT_OSS
     if "<parameter=" in template and "<function=" in template:
         return QWEN3_CODER
     if "<arg_key>" in template:

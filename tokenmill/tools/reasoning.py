@@ -21,12 +21,15 @@ class ReasoningFormat:
     start: str
     end: str
     starts_inside: bool  # the generation prompt already opened the thinking
+    separator: str = r"\s*"  # what may come between the thinking's end and the answer (a regex)
 
 
 DEEPSEEK_R1 = ReasoningFormat("deepseek_r1", "<think>", "</think>", True)
 QWEN3 = ReasoningFormat("qwen3", "<think>", "</think>", False)
 GLM45 = ReasoningFormat("glm45", "<think>", "</think>", False)
-REASONING_FORMATS = {f.name: f for f in (DEEPSEEK_R1, QWEN3, GLM45)}
+# gpt-oss's harmony channels (tools/harmony.py reads them): the analysis message is the thinking.
+GPT_OSS = ReasoningFormat("gpt_oss", "<|channel|>analysis<|message|>", "<|end|>", False, r"(?:<\|start\|>assistant)?")
+REASONING_FORMATS = {f.name: f for f in (DEEPSEEK_R1, QWEN3, GLM45, GPT_OSS)}
 
 
 _EMPTY_THINKING = re.compile(r"<think>(?:\\n|\s)*</think>")
@@ -40,6 +43,8 @@ def detect_reasoning(chat_template: str | None, requested: str) -> ReasoningForm
     if requested != "auto":
         return REASONING_FORMATS[requested]
     template = chat_template or ""
+    if "<|channel|>" in template:
+        return GPT_OSS
     if "<think>" not in template:
         return None
     generation = template[template.rfind("add_generation_prompt"):]
@@ -49,7 +54,7 @@ def detect_reasoning(chat_template: str | None, requested: str) -> ReasoningForm
     return DEEPSEEK_R1 if "<think>\\n" in generation or "<think>\n" in generation else QWEN3
 
 
-def _held_back(text: str, tag: str) -> int:
+def held_back(text: str, tag: str) -> int:
     """How many trailing characters of ``text`` may be the start of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
@@ -87,7 +92,7 @@ class ReasoningParser:
                     reasoning += text[:end]
                     text, self.state = text[end + len(self.fmt.end):], "CLOSED"
                 else:
-                    keep = _held_back(text, self.fmt.end)
+                    keep = held_back(text, self.fmt.end)
                     reasoning += text[:len(text) - keep]
                     self.pending, text = text[len(text) - keep:], ""
             elif self.state == "CLOSED":  # the newlines that separate the answer from the thinking are dropped
@@ -116,3 +121,4 @@ class ReasoningParser:
             return rest, ""
         self.content += rest
         return "", rest
+

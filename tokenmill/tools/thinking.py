@@ -35,9 +35,9 @@ def after_thinking(spec: GrammarSpec, fmt: ReasoningFormat) -> GrammarSpec:
     inner = _element(spec)
     if fmt.starts_inside:
         thinking = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": fmt.end}
-        body = {"type": "sequence", "elements": [thinking, {"type": "regex", "pattern": r"\s*"}, inner]}
+        body = {"type": "sequence", "elements": [thinking, {"type": "regex", "pattern": fmt.separator}, inner]}
     else:
         thinking = {"type": "tag", "begin": fmt.start, "content": {"type": "any_text"}, "end": fmt.end}
         body = {"type": "or", "elements": [
-            {"type": "sequence", "elements": [thinking, {"type": "regex", "pattern": r"\s*"}, inner]}, inner]}
+            {"type": "sequence", "elements": [thinking, {"type": "regex", "pattern": fmt.separator}, inner]}, inner]}
     return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": body}))
