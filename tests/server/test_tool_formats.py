@@ -2,7 +2,7 @@
 template): a forced call comes back parsed into arguments that satisfy the tool's schema, streamed as whole; the
 call and its result go back through the template exactly as transformers renders the same messages; the model then
 answers. Kimi-K2's JSON in its own section tokens, Qwen3-Coder's and GLM-4.5's XML parameters, gpt-oss's harmony
-channels (the call may come after an analysis message: its thinking)."""
+channels (the call may come after an analysis message: its thinking), Mistral's [TOOL_CALLS]name[ARGS]."""
 
 import json
 
@@ -53,6 +53,13 @@ TEMPLATES = {
         "{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
         "{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif %}{%- endfor %}"
         "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"),
+    "mistral": (
+        "{%- for m in messages %}{%- if m.role == 'user' %}{% if tools %}[AVAILABLE_TOOLS]"
+        "{% for t in tools %}{{ t.function | tojson }}{% endfor %}[/AVAILABLE_TOOLS]{% endif %}[INST]{{ m.content }}"
+        "[/INST]{%- elif m.role == 'assistant' and m.tool_calls %}{% for tc in m.tool_calls %}[TOOL_CALLS]"
+        "{{ tc.function.name }}[ARGS]{{ tc.function.arguments | tojson }}{% endfor %}</s>"
+        "{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
+        "{%- else %}{{ m.content }}</s>{%- endif %}{%- endfor %}"),
 }
 
 

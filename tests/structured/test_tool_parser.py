@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from tokenmill.tools.formats import DEEPSEEK_V3, GLM45, HERMES, KIMI_K2, LLAMA3_JSON, QWEN3_CODER, detect_format
+from tokenmill.tools.formats import (DEEPSEEK_V3, GLM45, HERMES, KIMI_K2, LLAMA3_JSON, MISTRAL, QWEN3_CODER,
+                                     detect_format)
 from tokenmill.tools.parser import ToolCallParser, parse_tool_calls
 
 ARGS = [{"city": "Paris", "note": "say \"hi\" {not a brace} \\ ok"}, {"q": [1, {"a": "}"}], "e": None}]
@@ -25,6 +26,8 @@ CASES = {
         QWEN3_CODER.render_call(f"f{i}", json.dumps(a)) for i, a in enumerate(ARGS))),
     "glm45": (GLM45, "Let me check.\n" + "\n".join(
         GLM45.render_call(f"f{i}", json.dumps(a)) for i, a in enumerate(ARGS))),
+    "mistral": (MISTRAL, "Let me check." + "".join(MISTRAL.render_call(f"f{i}", json.dumps(a))
+                                                   for i, a in enumerate(ARGS))),
 }
 CONTENT = {"llama3_json": "", "hermes": "Let me check.\n", "qwen3_coder": "Let me check.\n",
            "glm45": "Let me check.\n"}
@@ -81,6 +84,12 @@ def test_format_detection():
     assert detect_format("{{ '<|tool_calls_section_begin|>' }}") is KIMI_K2
     assert detect_format("<function={{ name }}>\n<parameter={{ key }}>") is QWEN3_CODER
     assert detect_format("<arg_key>{{ k }}</arg_key>") is GLM45
+    assert detect_format("{{ '[TOOL_CALLS]' + name + '[ARGS]' }}") is MISTRAL
+
+
+def test_mistral_call_ids_come_from_call_id():
+    text = '[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{"x": 1}'
+    assert [(c.id, c.name, c.arguments) for c in parse_tool_calls(MISTRAL, text)[1]] == [("a1b2c3d4e", "f", '{"x": 1}')]
 
 
 def test_xml_parameters_are_typed_by_the_schema():

@@ -16,6 +16,7 @@ before the call's JSON arguments, and how one call is written (for templates tha
 - glm45 (GLM-4.5 .. 4.7): ``<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>``, likewise
 - gpt_oss (harmony): ``<|channel|>commentary to=functions.N <|constrain|>json<|message|>{..}<|call|>``, as
   tools/harmony.py spells the model's calls
+- mistral (tokenizers v11+): ``[TOOL_CALLS]N[ARGS]{..}`` per call (``[TOOL_CALLS]N[CALL_ID]I[ARGS]{..}`` too)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
-    structural_tag_model: str  # xgrammar's key for get_model_structural_tag
+    structural_tag_model: str | None  # xgrammar's key for get_model_structural_tag (None: structural_tag builds one)
     triggers: tuple[str, ...]  # text that starts a call; what precedes the first is the message content
     header: re.Pattern  # from a trigger to the first character of the arguments; group "name"
     call_template: str  # one call, written: {name} and {arguments}
@@ -87,13 +88,19 @@ GLM45 = ToolFormat(
     XmlArguments(re.compile(r"\s*<arg_key>\s*(?P<key>[^<]+?)\s*</arg_key>\s*<arg_value>"), "</arg_value>",
                  "</tool_call>", "<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n"))
 
+# Mistral's tokenizers v11+ (Mistral Small 3.2, Devstral, Magistral): one [TOOL_CALLS] per call; xgrammar has no
+# tag for it (structural_tag builds one), and the optional [CALL_ID] is the call's id.
+MISTRAL = ToolFormat(
+    "mistral", None, ("[TOOL_CALLS]",),
+    re.compile(r"\s*\[TOOL_CALLS\]\s*(?P<name>[^\[\s]+)\s*(?:\[CALL_ID\]\s*(?P<id>[^\[\s]+)\s*)?\[ARGS\]\s*"),
+    "[TOOL_CALLS]{name}[ARGS]{arguments}")
 # The harmony reader (tools/harmony.py) passes every call on in this one spelling, wherever the model put "to=".
 GPT_OSS = ToolFormat(
     "gpt_oss", "harmony", ("<|channel|>commentary to=",),
     re.compile(r"\s*<\|channel\|>commentary to=functions\.(?P<name>[^\s<]+) <\|constrain\|>json<\|message\|>"),
     "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{arguments}<|call|>")
 
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, DEEPSEEK_V3, KIMI_K2, QWEN3_CODER, GLM45, GPT_OSS)}
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, DEEPSEEK_V3, KIMI_K2, QWEN3_CODER, GLM45, GPT_OSS, MISTRAL)}
 
 
 def detect_format(chat_template: str | None, configured: str = "auto") -> ToolFormat:
@@ -107,6 +114,8 @@ def detect_format(chat_template: str | None, configured: str = "auto") -> ToolFo
         return KIMI_K2
     if "<|channel|>" in template:
         return GPT_OSS
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL
     if "<parameter=" in template and "<function=" in template:
         return QWEN3_CODER
     if "<arg_key>" in template:
@@ -127,9 +136,12 @@ def structural_tag(fmt: ToolFormat, tools: list[dict], tool_choice: str | dict, 
     false); for a named tool, that call only."""
     import xgrammar as xgr
 
-    tag = json.loads(xgr.get_model_structural_tag(fmt.structural_tag_model, tools=tools, tool_choice=tool_choice,
-                                                  reasoning="disabled", parallel_tool_calls=parallel,
-                                                  max_whitespace_cnt=MAX_WHITESPACE).model_dump_json())
+    if fmt.structural_tag_model is None:
+        tag = _own_tag(fmt, tools, tool_choice, parallel)
+    else:
+        tag = json.loads(xgr.get_model_structural_tag(fmt.structural_tag_model, tools=tools, tool_choice=tool_choice,
+                                                      reasoning="disabled", parallel_tool_calls=parallel,
+                                                      max_whitespace_cnt=MAX_WHITESPACE).model_dump_json())
     body = tag["format"]
     if tool_choice == "required" and body["type"] == "triggered_tags":
         # xgrammar lets text run before, between and after the calls of ``required``; OpenAI's required answers
@@ -137,6 +149,24 @@ def structural_tag(fmt: ToolFormat, tools: list[dict], tool_choice: str | dict, 
         tag["format"] = {"type": "tags_with_separator", "tags": body["tags"], "separator": "\n",
                          "at_least_one": True, "stop_after_first": not parallel}
     return json.dumps(_bounded(tag))
+
+
+def _own_tag(fmt: ToolFormat, tools: list[dict], tool_choice: str | dict, parallel: bool) -> dict:
+    """A structural tag for a format xgrammar has none for: each call is the format's call with the tool's JSON
+    arguments (``call_template`` split around ``{arguments}``), triggered by the format's first trigger."""
+    begin, end = fmt.call_template.split("{arguments}")
+    named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    tags = [{"type": "tag", "begin": begin.format(name=t["function"]["name"]),
+             "content": {"type": "json_schema", "json_schema": t["function"].get("parameters") or {"type": "object"}},
+             "end": end.format(name=t["function"]["name"])}
+            for t in tools if named is None or t["function"]["name"] == named]
+    if tool_choice == "auto":
+        body = {"type": "triggered_tags", "triggers": [fmt.triggers[0]], "tags": tags, "at_least_one": False,
+                "stop_after_first": not parallel}
+    else:
+        body = {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
+                "stop_after_first": not parallel or named is not None}
+    return {"type": "structural_tag", "format": body}
 
 
 def _bounded(node):
