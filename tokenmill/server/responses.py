@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator
 
 from pydantic import ValidationError
 
-from tokenmill.server.chat import prepare_chat
+from tokenmill.server.chat import prepare_chat, split_reasoning
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.limits import check_limits
 from tokenmill.server.protocol import ChatCompletionRequest
@@ -164,12 +164,8 @@ async def whole_response(ctx: ServerContext, ex: Exchange) -> dict[str, Any]:
         ex.tracker.observe(out)
         text += out.delta_text
         reason = out.finish_reason
-    reasoning, calls = "", []
-    if ctx.reasoning is not None:
-        split = reasoning_parser(ctx.reasoning)
-        split.feed(text)
-        split.finish()
-        reasoning, text = split.reasoning, split.content
+    thinking, text = split_reasoning(ctx, text)
+    reasoning, calls = thinking or "", []
     if ex.tracker.tools.active:  # tool calls are read from the answer only, never from the thinking
         parser = ex.tracker.tools.parser(ctx.tool_format)
         parser.feed(text)
