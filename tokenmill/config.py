@@ -149,7 +149,7 @@ class EngineConfig(BaseSettings):
                                "KV cache tokens; beyond it requests get 429")
     log_json: bool = Field(False, description="one JSON object per log line")
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "deepseek_v3", "kimi_k2", "qwen3_coder",
-                              "glm45", "gpt_oss", "mistral"] = Field(
+                              "glm45", "gpt_oss", "mistral", "pythonic"] = Field(
         "auto", description="the model's tool-call format; auto = read from its chat template (hermes when it has "
                             "none)")
     reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3", "glm45", "gpt_oss"] = Field(

@@ -2,7 +2,8 @@
 template): a forced call comes back parsed into arguments that satisfy the tool's schema, streamed as whole; the
 call and its result go back through the template exactly as transformers renders the same messages; the model then
 answers. Kimi-K2's JSON in its own section tokens, Qwen3-Coder's and GLM-4.5's XML parameters, gpt-oss's harmony
-channels (the call may come after an analysis message: its thinking), Mistral's [TOOL_CALLS]name[ARGS]."""
+channels (the call may come after an analysis message: its thinking), Mistral's [TOOL_CALLS]name[ARGS], and
+Llama-4's pythonic calls."""
 
 import json
 
@@ -60,6 +61,10 @@ TEMPLATES = {
         "{{ tc.function.name }}[ARGS]{{ tc.function.arguments | tojson }}{% endfor %}</s>"
         "{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
         "{%- else %}{{ m.content }}</s>{%- endif %}{%- endfor %}"),
+    "pythonic": (TOOLS.replace("EXAMPLE", "[func_name1(params_name1=params_value1), func_name2(...)]") + TURNS.replace(
+        "CALLS", "[{% for tc in m.tool_calls %}{{ tc.function.name }}({% for k, v in tc.function.arguments.items() %}"
+                 "{{ k }}={{ v | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}){% if not loop.last %}, "
+                 "{% endif %}{% endfor %}]")),
 }
 
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from tokenmill.tools.formats import (DEEPSEEK_V3, GLM45, HERMES, KIMI_K2, LLAMA3_JSON, MISTRAL, QWEN3_CODER,
-                                     detect_format)
+from tokenmill.tools.formats import (DEEPSEEK_V3, GLM45, HERMES, KIMI_K2, LLAMA3_JSON, MISTRAL, PYTHONIC,
+                                     QWEN3_CODER, detect_format)
 from tokenmill.tools.parser import ToolCallParser, parse_tool_calls
 
 ARGS = [{"city": "Paris", "note": "say \"hi\" {not a brace} \\ ok"}, {"q": [1, {"a": "}"}], "e": None}]
@@ -28,9 +28,11 @@ CASES = {
         GLM45.render_call(f"f{i}", json.dumps(a)) for i, a in enumerate(ARGS))),
     "mistral": (MISTRAL, "Let me check." + "".join(MISTRAL.render_call(f"f{i}", json.dumps(a))
                                                    for i, a in enumerate(ARGS))),
+    "pythonic": (PYTHONIC, "Let me check. [" + ", ".join(PYTHONIC.render_call(f"f{i}", json.dumps(a))[1:-1]
+                                                          for i, a in enumerate(ARGS)) + "]"),
 }
 CONTENT = {"llama3_json": "", "hermes": "Let me check.\n", "qwen3_coder": "Let me check.\n",
-           "glm45": "Let me check.\n"}
+           "glm45": "Let me check.\n", "pythonic": "Let me check. "}
 # The XML formats type each parameter by its schema (what is not a string is read as JSON).
 SCHEMAS = {"f0": {"properties": {"city": {"type": "string"}, "note": {"type": "string"}}},
            "f1": {"properties": {"q": {"type": "array"}, "e": {"type": ["null", "integer"]}}}}
@@ -85,6 +87,7 @@ def test_format_detection():
     assert detect_format("<function={{ name }}>\n<parameter={{ key }}>") is QWEN3_CODER
     assert detect_format("<arg_key>{{ k }}</arg_key>") is GLM45
     assert detect_format("{{ '[TOOL_CALLS]' + name + '[ARGS]' }}") is MISTRAL
+    assert detect_format("[func_name1(params_name1=params_value1, ...)]") is PYTHONIC
 
 
 def test_mistral_call_ids_come_from_call_id():

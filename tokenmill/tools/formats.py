@@ -17,6 +17,8 @@ before the call's JSON arguments, and how one call is written (for templates tha
 - gpt_oss (harmony): ``<|channel|>commentary to=functions.N <|constrain|>json<|message|>{..}<|call|>``, as
   tools/harmony.py spells the model's calls
 - mistral (tokenizers v11+): ``[TOOL_CALLS]N[ARGS]{..}`` per call (``[TOOL_CALLS]N[CALL_ID]I[ARGS]{..}`` too)
+- pythonic (Llama-4, Llama-3.2's pythonic template): ``[N(k=v, ...), M(...)]``, Python keyword arguments read into
+  JSON arguments
 """
 
 from __future__ import annotations
@@ -36,13 +38,29 @@ class ToolFormat:
     # XML arguments (None: JSON): one parameter's opening (group "key"), what ends its value, what ends the call,
     # and one parameter written ({key}, {value}).
     xml: XmlArguments | None = None
+    python: bool = False  # Python keyword arguments (pythonic), read into JSON arguments
+    next_calls: tuple[str, ...] = ()  # what starts a call after the first (default: the triggers)
 
     def render_call(self, name: str, arguments: str) -> str:
-        if self.xml is not None:
+        if self.python:
+            values = json.loads(arguments) if arguments.strip().startswith("{") else {}
+            arguments = ", ".join(f"{k}={python_literal(v)}" for k, v in values.items())
+        elif self.xml is not None:
             values = json.loads(arguments) if arguments.strip().startswith("{") else {}
             arguments = "".join(self.xml.param_template.format(key=k, value=v if isinstance(v, str) else json.dumps(v))
                                 for k, v in values.items())
         return self.call_template.format(name=name, arguments=arguments)
+
+
+def python_literal(value) -> str:
+    """A JSON value written as the Python literal a pythonic call holds."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {python_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(python_literal(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -94,13 +112,19 @@ MISTRAL = ToolFormat(
     "mistral", None, ("[TOOL_CALLS]",),
     re.compile(r"\s*\[TOOL_CALLS\]\s*(?P<name>[^\[\s]+)\s*(?:\[CALL_ID\]\s*(?P<id>[^\[\s]+)\s*)?\[ARGS\]\s*"),
     "[TOOL_CALLS]{name}[ARGS]{arguments}")
+# Llama-4's (and Llama-3.2's pythonic template): a Python list of calls with keyword arguments; xgrammar has no tag
+# for it (structural_tag builds one: each property as key=value, its JSON value where Python reads the same).
+PYTHONIC = ToolFormat(
+    "pythonic", None, ("[",), re.compile(r"\s*[\[,]\s*(?P<name>[A-Za-z_][\w.\-]*)\("), "[{name}({arguments})]",
+    python=True, next_calls=("[", ","))
 # The harmony reader (tools/harmony.py) passes every call on in this one spelling, wherever the model put "to=".
 GPT_OSS = ToolFormat(
     "gpt_oss", "harmony", ("<|channel|>commentary to=",),
     re.compile(r"\s*<\|channel\|>commentary to=functions\.(?P<name>[^\s<]+) <\|constrain\|>json<\|message\|>"),
     "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{arguments}<|call|>")
 
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, DEEPSEEK_V3, KIMI_K2, QWEN3_CODER, GLM45, GPT_OSS, MISTRAL)}
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, DEEPSEEK_V3, KIMI_K2, QWEN3_CODER, GLM45, GPT_OSS, MISTRAL,
+                               PYTHONIC)}
 
 
 def detect_format(chat_template: str | None, configured: str = "auto") -> ToolFormat:
@@ -116,6 +140,8 @@ def detect_format(chat_template: str | None, configured: str = "auto") -> ToolFo
         return GPT_OSS
     if "[TOOL_CALLS]" in template:
         return MISTRAL
+    if "func_name1(" in template:  # the pythonic templates' instruction: [func_name1(params_name1=...), ...]
+        return PYTHONIC
     if "<parameter=" in template and "<function=" in template:
         return QWEN3_CODER
     if "<arg_key>" in template:
@@ -156,10 +182,18 @@ def _own_tag(fmt: ToolFormat, tools: list[dict], tool_choice: str | dict, parall
     arguments (``call_template`` split around ``{arguments}``), triggered by the format's first trigger."""
     begin, end = fmt.call_template.split("{arguments}")
     named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
-    tags = [{"type": "tag", "begin": begin.format(name=t["function"]["name"]),
-             "content": {"type": "json_schema", "json_schema": t["function"].get("parameters") or {"type": "object"}},
-             "end": end.format(name=t["function"]["name"])}
-            for t in tools if named is None or t["function"]["name"] == named]
+    chosen = [t["function"] for t in tools if named is None or t["function"]["name"] == named]
+    if fmt.python and tool_choice != "auto":  # one list of calls: [f(..), g(..)]
+        tags = [{"type": "tag", "begin": f"{f['name']}(", "content": _python_kwargs(f.get("parameters") or {}),
+                 "end": ")"} for f in chosen]
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": ", ", "at_least_one": True,
+                 "stop_after_first": not parallel or named is not None}
+        return {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+            {"type": "const_string", "value": "["}, calls, {"type": "const_string", "value": "]"}]}}
+    tags = [{"type": "tag", "begin": begin.format(name=f["name"]),
+             "content": _python_kwargs(f.get("parameters") or {}) if fmt.python else
+             {"type": "json_schema", "json_schema": f.get("parameters") or {"type": "object"}},
+             "end": end.format(name=f["name"])} for f in chosen]
     if tool_choice == "auto":
         body = {"type": "triggered_tags", "triggers": [fmt.triggers[0]], "tags": tags, "at_least_one": False,
                 "stop_after_first": not parallel}
@@ -167,6 +201,30 @@ def _own_tag(fmt: ToolFormat, tools: list[dict], tool_choice: str | dict, parall
         body = {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
                 "stop_after_first": not parallel or named is not None}
     return {"type": "structural_tag", "format": body}
+
+
+def _python_kwargs(schema: dict) -> dict:
+    """A schema's properties as Python keyword arguments: the required ones first, then the optional ones (each may
+    be left out), separated by ", " (after each, Python's trailing comma, when none is required); a boolean is
+    True/False, null is None, any other value its JSON (a string, a number, a list or an object of them: what
+    Python reads the same)."""
+    required = set(schema.get("required") or ())
+    properties = sorted((schema.get("properties") or {}).items(), key=lambda item: item[0] not in required)
+    comma = {"type": "const_string", "value": ", "}
+    elements = []
+    for i, (key, prop) in enumerate(properties):
+        kind = prop.get("type") if isinstance(prop, dict) else None
+        value = {"type": "json_schema", "json_schema": prop}
+        if kind in ("boolean", "null"):
+            value = {"type": "regex", "pattern": "True|False"} if kind == "boolean" else \
+                {"type": "const_string", "value": "None"}
+        parts = [{"type": "const_string", "value": f"{key}="}, value]
+        parts = parts + [comma] if not required else ([comma] if i else []) + parts
+        member = {"type": "sequence", "elements": parts}
+        elements.append(member if key in required else {"type": "optional", "content": member})
+    if not elements:
+        return {"type": "const_string", "value": ""}
+    return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
 
 
 def _bounded(node):

@@ -8,11 +8,14 @@ header) -> HEADER ... Text after the first call that starts no call is dropped, 
 Formats with XML parameters (qwen3_coder, glm45) go HEADER -> XML instead: each parameter is sent, once its value
 is complete, as the next member of the call's JSON object, typed by the tool's schema (``schemas``: a string
 parameter stays the text, any other is read as JSON where it parses), and the call's end closes the object.
+Pythonic calls go HEADER -> PYTHON: the keyword arguments up to the call's closing parenthesis, sent as one JSON
+object.
 A header that does not come within ``MAX_HEADER_CHARS`` of a trigger was no call: its text is content after all.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -112,7 +115,7 @@ class ToolCallParser:
         self.calls.append(call)
         deltas.append(ToolCallDelta(len(self.calls) - 1, call.id, call.name))
         self.pos = match.end()
-        self.state = "XML" if self.fmt.xml is not None else "ARGUMENTS"
+        self.state = "PYTHON" if self.fmt.python else "XML" if self.fmt.xml is not None else "ARGUMENTS"
         self._depth, self._in_string, self._escaped, self._xml_key = 0, False, False, None
         return ""
 
@@ -141,6 +144,25 @@ class ToolCallParser:
         deltas.append(self._emit(("{" if not call.arguments else ", ") + member))
         self._xml_key = None
         return ""
+
+    def _python(self, deltas: list[ToolCallDelta]) -> str | None:
+        """A pythonic call's keyword arguments, up to the parenthesis that closes the call: sent whole, as JSON."""
+        depth, quote, escaped = 0, None, False
+        for end in range(self.pos, len(self.text)):
+            ch = self.text[end]
+            if quote is not None:
+                escaped, quote = (False, quote) if escaped else (ch == "\\", None if ch == quote else quote)
+            elif ch in "'\"":
+                quote = ch
+            elif ch in "([{":
+                depth += 1
+            elif ch in ")]}":
+                if depth == 0:
+                    deltas.append(self._emit(python_arguments(self.text[self.pos:end])))
+                    self.pos, self.state = end + 1, "BETWEEN"
+                    return ""
+                depth -= 1
+        return None
 
     def _typed(self, function: str, key: str, value: str) -> str:
         """An XML parameter's value as JSON: text for a string parameter (or one the schema does not type), else
@@ -194,16 +216,38 @@ class ToolCallParser:
         return ""
 
     def _between(self, deltas: list[ToolCallDelta]) -> str | None:
-        start = self._next_trigger(self.text[self.pos:])
+        start = self._next_trigger(self.text[self.pos:], self.fmt.next_calls or self.fmt.triggers)
         if start is None:
             return None
         self.pos += start
         self.state = "HEADER"
         return ""
 
-    def _next_trigger(self, text: str) -> int | None:
-        """Where the first call trigger in ``text`` starts."""
-        return min((i for t in self.fmt.triggers if (i := text.find(t)) != -1), default=None)
+    def _next_trigger(self, text: str, triggers: tuple[str, ...] = ()) -> int | None:
+        """Where the first call trigger (of ``triggers``, or the format's) in ``text`` starts."""
+        return min((i for t in triggers or self.fmt.triggers if (i := text.find(t)) != -1), default=None)
+
+
+def python_arguments(text: str) -> str:
+    """Python keyword arguments (``city="Paris", days=3``) as a JSON object; each value read as a Python literal, or
+    as JSON where Python does not read it (``true`` inside a list); what is neither is its source text."""
+    try:
+        call = ast.parse(f"f({text})", mode="eval").body
+    except SyntaxError:
+        return "{}"
+    values = {}
+    for keyword in getattr(call, "keywords", []):
+        if keyword.arg is None:
+            continue
+        source = ast.get_source_segment(f"f({text})", keyword.value) or ""
+        try:
+            values[keyword.arg] = ast.literal_eval(keyword.value)
+        except ValueError:
+            try:
+                values[keyword.arg] = json.loads(source)
+            except ValueError:
+                values[keyword.arg] = source
+    return json.dumps(values, ensure_ascii=False)
 
 
 def parse_tool_calls(fmt: ToolFormat, text: str, schemas: dict[str, dict] | None = None
