@@ -1,6 +1,6 @@
 import pytest
 
-from tokenmill.config import ConfigError, load_config, parse_byte_size
+from tokenmill.config import ConfigError, EngineConfig, load_config, parse_byte_size
 
 
 def test_precedence_cli_env_toml_default(tmp_path, monkeypatch):
@@ -71,3 +71,13 @@ def test_torchrun_variables_place_a_rank_and_set_the_tensor_parallel_size(monkey
     monkeypatch.delenv("RANK")
     with pytest.raises(ConfigError, match="a launch of 4 ranks needs rank in 0..3"):
         load_config()
+
+
+def test_chat_template_settings():
+    assert EngineConfig(default_chat_template_kwargs='{"enable_thinking": false}').default_chat_template_kwargs == \
+        {"enable_thinking": False}
+    for bad, words in ((dict(default_chat_template_kwargs="[1]"), "JSON object"),
+                       (dict(default_chat_template_kwargs="{nope"), "JSON object"),
+                       (dict(chat_template="/no/such/template.jinja"), "no chat template file")):
+        with pytest.raises(Exception, match=words):
+            EngineConfig(**bad)

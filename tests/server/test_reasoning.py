@@ -149,3 +149,22 @@ def test_reasoning_switches_reach_the_template(server):
                                                                "chat_template_kwargs": {"tools": []}})
     assert reserved.status_code == 400 and reserved.json()["error"]["param"] == "chat_template_kwargs.tools"
 
+
+
+def test_chat_template_file_replaces_the_checkpoints(tmp_path_factory, smollm_llm):
+    """--chat-template FILE: the server renders with the operator's template (here one that thinks, over a
+    checkpoint whose own template does not), and reads its reasoning format from it."""
+    path = tmp_path_factory.mktemp("override")
+    make_family_checkpoint(path, smollm_llm.tokenizer.hf, "qwen3")
+    template = path / "override.jinja"
+    template.write_text(R1_TEMPLATE)
+    question = [{"role": "user", "content": "Hi"}]
+    with inprocess_server(model=str(path), dtype="float32", kv_cache_memory="16MiB", enforce_eager=True,
+                          chat_template=str(template)) as (root, state):
+        tokens = httpx.post(root + "/tokenize", json={"messages": question}).json()["tokens"]
+        assert state.ctx.reasoning.name == "deepseek_r1"
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(path)
+    text = hf.apply_chat_template(question, chat_template=R1_TEMPLATE, add_generation_prompt=True, tokenize=False)
+    assert tokens == hf.encode(text, add_special_tokens=False) and text.endswith("<think>\n")
