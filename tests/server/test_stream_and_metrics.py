@@ -1,6 +1,7 @@
 """Raw SSE bytes, /metrics through prometheus-client's parser, and aborts on client disconnect."""
 
 import json
+import re
 import time
 
 import httpx
@@ -74,6 +75,11 @@ def test_metrics_parse_and_count(fp32_server):
 
     weights = sample_value(samples["tokenmill:model_weight_bytes"], "tokenmill:model_weight_bytes", model_name=MODEL)
     assert weights == num_parameters(PRESETS["smollm2-135m"]) * 4
+    # The inference gateway's cache info: the block size and the blocks requests can hold (the engine's logged token
+    # capacity over the block size; the pool's null block holds none).
+    blocks = int(re.search(r"engine ready: .* \((\d+) tokens", fp32_server.log()).group(1)) // 16
+    (cache,) = samples["tokenmill:cache_config_info"]
+    assert (cache.value, cache.labels["block_size"], cache.labels["num_gpu_blocks"]) == (1, "16", str(blocks))
     assert API_KEY not in fp32_server.log() and ALICE_KEY not in fp32_server.log()
 
 

@@ -52,6 +52,13 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(P + name, doc, labels=["model_name"])
             gauge.add_metric([self.model], value)
             yield gauge
+        info = self.client.info
+        if info is not None:  # the Gateway API Inference Extension's endpoint picker reads these two labels
+            cache = GaugeMetricFamily(P + "cache_config_info", "The KV cache's layout (value 1): tokens per block and "
+                                      "blocks in the pool.", labels=["model_name", "block_size", "num_gpu_blocks"])
+            cache.add_metric([self.model, str(info.kv_block_size), str(info.kv_capacity_tokens // info.kv_block_size)],
+                             1)
+            yield cache
         counters = [
             ("num_preemptions", "Requests preempted (KV blocks freed, recomputed later).", stats.num_preemptions_total),
             ("requests_aborted", "Requests aborted before finishing (client gone, cancelled).",
