@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tokenmill.tools.reasoning import ReasoningFormat, held_back
+from tokenmill.tools.reasoning import ReasoningFormat, ReasoningParser, held_back
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -77,12 +77,7 @@ class HarmonyParser:
         self.kind = "reasoning" if channel.startswith("analysis") else "answer"
         return ""
 
-    def step(self, delta: str, finished: bool) -> tuple[str, str]:
-        reasoning, content = self.feed(delta)
-        if finished:
-            more, rest = self.finish()
-            reasoning, content = reasoning + more, content + rest
-        return reasoning, content
+    step = ReasoningParser.step  # feed, and finish too at the last delta: the same for both readers
 
     def finish(self) -> tuple[str, str]:
         """The end of the output: an open message ends; a header that never got its <|message|> is answer text."""
