@@ -53,6 +53,23 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
     return pack_sequential(v.reshape(values.shape[0], -1))
 
 
+def activation_order(module: str, width: int) -> torch.Tensor:
+    """The order a GPTQ quantizer with activation order would visit a layer's inputs in (by its Hessian's diagonal,
+    which layers reading the same input share: q/k/v, gate/up): a random permutation, one per input."""
+    shared = module.rpartition(".")[0] + {"k_proj": ".q_proj", "v_proj": ".q_proj", "up_proj": ".gate_proj"}.get(
+        module.rpartition(".")[2], "." + module.rpartition(".")[2])
+    seed = sum(map(ord, shared)) * 131 + width
+    return torch.randperm(width, generator=torch.Generator().manual_seed(seed))
+
+
+def rtn_int4_ordered(w: torch.Tensor, symmetric: bool, order: torch.Tensor):
+    """rtn_int4 over groups of inputs taken in ``order`` (group g: inputs order[g * GROUP:(g + 1) * GROUP]), returned
+    in input order with g_idx [in] (the group of each input), as GPTQ's desc_act / actorder=group store them."""
+    q, zero, scale, deq = rtn_int4(w[:, order].contiguous(), symmetric)
+    position = order.argsort()  # where each input sits in the order
+    return q[:, position], zero, scale, deq[:, position], (position // GROUP).to(torch.int32)
+
+
 def quantized_state(hf_model, method: str):
     """(state dict in ``method``'s layout, the dense state dict of the weights it encodes)."""
     state = {k: v.clone() for k, v in hf_model.state_dict().items()}
@@ -61,6 +78,21 @@ def quantized_state(hf_model, method: str):
         module = name.removesuffix(".weight")
         if not (name.endswith(".weight") and module.rpartition(".")[2] in LINEARS):
             out[name] = w
+            continue
+        if method in ("gptq-desc", "ct-w4a16-group"):  # groups in activation order
+            q, zero, scale, dense[name], g_idx = rtn_int4_ordered(w, True, activation_order(module, w.shape[1]))
+            if method == "ct-w4a16-group":
+                from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+                out[f"{module}.weight_packed"] = pack_to_int32((q - 8).to(torch.int8), 4)
+                out[f"{module}.weight_scale"] = scale
+                out[f"{module}.weight_shape"] = torch.tensor(w.shape)
+                out[f"{module}.weight_g_idx"] = g_idx
+            else:
+                out[f"{module}.qweight"] = pack_sequential(q).T.contiguous()
+                out[f"{module}.qzeros"] = pack_sequential((zero - 1).T.contiguous())
+                out[f"{module}.scales"] = scale.T.contiguous()
+                out[f"{module}.g_idx"] = g_idx
             continue
         if method == "ct-w8a16":  # int8 per channel, symmetric
             scale = (w.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8).half().float()
@@ -110,7 +142,10 @@ CONFIGS = {
                  "ignore": ["lm_head"]},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True},
+    "gptq-desc": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": True},
 }
+CONFIGS["ct-w4a16-group"] = json.loads(json.dumps(CONFIGS["ct-w4a16"]))
+CONFIGS["ct-w4a16-group"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
 
 
 def write_quantized(path, smollm_llm, method):
@@ -138,6 +173,7 @@ def test_quantized_checkpoint_serves_like_transformers(tmp_path, smollm_llm, met
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(quantized) == 4 * model.config.num_layers  # every linear but the full-precision head
     assert not any(m.weight is not None for m in quantized)  # no full-precision copy
+    assert all((m.input_perm is not None) == (method in ("gptq-desc", "ct-w4a16-group")) for m in quantized)
     ids = torch.randint(0, 1000, (40,)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
@@ -168,12 +204,29 @@ def test_fp8_dynamic_checkpoint_serves_close_to_transformers(tmp_path, smollm_ll
     assert (ours - ref).abs().max() < 0.1 and (ours - ref).abs().mean() < 0.01
 
 
-def test_gptq_with_activation_order_is_one_clear_error(tmp_path, smollm_llm):
-    write_quantized(tmp_path, smollm_llm, "gptq")
+def rewrite_tensors(path, change):
+    tensors = load_file(str(path / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def test_activation_order_checkpoint_errors_name_the_tensor(tmp_path, smollm_llm):
+    """A fused layer's parts must order their inputs alike (they read one input); every group must hold GROUP inputs;
+    a g_idx out of input order under desc_act=false is not silently read in input order."""
+    write_quantized(tmp_path, smollm_llm, "gptq-desc")
+    k_idx = "model.layers.0.self_attn.k_proj.g_idx"
+    original = load_file(str(tmp_path / "model.safetensors"))[k_idx]
+    rewrite_tensors(tmp_path, lambda t: t.update({k_idx: original.flip(0).contiguous()}))
+    with pytest.raises(ModelLoadError, match="order their inputs differently"):
+        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization="auto")
+    rewrite_tensors(tmp_path, lambda t: t.update({k_idx: torch.zeros_like(original)}))
+    with pytest.raises(ModelLoadError, match="k_proj.g_idx does not put 32 inputs in every group"):
+        LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization="auto")
+    rewrite_tensors(tmp_path, lambda t: t.update({k_idx: original}))
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"]["desc_act"] = True
+    config["quantization_config"]["desc_act"] = False
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises((ModelLoadError, ConfigError, ValueError), match="desc_act"):
+    with pytest.raises(ModelLoadError, match=r"\.g_idx groups the inputs in activation order, but the config does not say so"):
         LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization="auto")
 
 
@@ -202,3 +255,22 @@ def test_unsupported_quantization_is_refused_before_loading(tmp_path, smollm_llm
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises((ModelLoadError, ConfigError, ValueError), match=match):
         LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="16MiB", quantization="auto")
+
+
+@pytest.mark.parametrize("actorder,ordered", [(None, False), ("weight", False), ("static", False), ("group", True),
+                                              ("dynamic", True), (True, True)])
+def test_compressed_tensors_actorder_values(actorder, ordered):
+    """compressed-tensors' actorder: weight/static only changed the quantizer's visiting order (consecutive groups, no
+    g_idx), group/dynamic/True store a weight_g_idx per layer; a value it never defined is refused."""
+    from tokenmill.models.quant_methods import has_input_order, linear_format
+
+    quant = json.loads(json.dumps(CONFIGS["ct-w4a16"]))
+    quant["config_groups"]["group_0"]["weights"]["actorder"] = actorder
+    assert linear_format(quant) == ("pack-quantized", "int4-g32-zp") and has_input_order(quant) == ordered
+    quant["config_groups"]["group_0"]["weights"]["actorder"] = "columns"
+    with pytest.raises(ValueError, match="actorder 'columns' is not supported"):
+        linear_format(quant)
+    channel = json.loads(json.dumps(CONFIGS["ct-w8a16"]))
+    channel["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    with pytest.raises(ValueError, match="pack-quantized group weights"):
+        linear_format(channel)

@@ -25,7 +25,7 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.models.families import TEMPLATE_STOP_TOKENS
 from tokenmill.models.layers.linear import LinearPlan, QuantLinear, quantize_linears
 from tokenmill.models.loader import SKIP, Checkpoint, ModelLoadError, open_checkpoint
-from tokenmill.models.quant_methods import CHECKPOINT_METHODS
+from tokenmill.models.quant_methods import CHECKPOINT_METHODS, has_input_order
 from tokenmill.models.quantization import candidate_formats
 from tokenmill.models.quantized_checkpoints import convert
 from tokenmill.models.registry import model_class_for
@@ -127,12 +127,13 @@ def quantization_plan(model: torch.nn.Module, model_config: ModelConfig, mode: s
     """The settled table applied to the model's candidates: each layer's format and dense threshold; a candidate
     whose shape measured dense at every row count (threshold 1) stays dense."""
     thresholds = {(out, inp, fmt): t for out, inp, fmt, t in table}
+    ordered = model_config.quantization is not None and has_input_order(model_config.quantization.config)
     plan = {}
     for path, (fmt, at_load) in candidate_formats(model, model_config, mode, group_size).items():
         layer = model.get_submodule(path)
         threshold = thresholds.get((layer.out_features, layer.in_features, fmt), 1)
         if threshold != 1:
-            plan[path] = LinearPlan(fmt, threshold, at_load)
+            plan[path] = LinearPlan(fmt, threshold, at_load, input_order=ordered and not at_load)
     return plan
 
 

@@ -171,6 +171,12 @@ class DecoderLM(nn.Module):
             return False
         if not isinstance(module, QuantLinear) or leaf not in ("weight", *QUANT_BUFFERS):
             return False
+        if leaf == "input_perm":  # one per layer: every part of a fused layer must bring the same
+            if filled.get(name) and not torch.equal(module.input_perm, tensor.to(module.input_perm.dtype)):
+                raise ValueError(f"{name}: the parts of this fused layer order their inputs differently")
+            module.input_perm.copy_(tensor)
+            filled[name] = tensor.numel()
+            return True
         rows = slice(None) if offset is None else slice(offset, offset + tensor.shape[0])
         if leaf in QUANT_BUFFERS:
             self.copy_weight(name, getattr(module, leaf)[rows], tensor, filled)
@@ -211,3 +217,6 @@ class DecoderLM(nn.Module):
         missing = [n for n, numel in expected if filled.get(n, 0) != numel]
         if missing:
             raise ValueError(f"checkpoint does not fill these weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        for module in self.modules():
+            if isinstance(module, QuantLinear):
+                module.drop_identity_order()

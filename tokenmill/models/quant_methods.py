@@ -12,6 +12,9 @@ PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "
          "float-quantized": ("weight", "weight_scale"), "int-quantized": ("weight", "weight_scale"),
          "naive-quantized": ("weight", "weight_scale")}
 CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")
+# compressed-tensors' actorder values, by effect: quantized in activation order with consecutive groups (nothing to do
+# at inference), or groups in activation order (a ``weight_g_idx`` per layer; newer releases no longer write them).
+ACTORDER_WEIGHT, ACTORDER_GROUP = ("weight", "static"), ("group", "dynamic", True)
 
 
 def linear_format(quant: dict[str, Any]) -> tuple[str, str]:
@@ -26,9 +29,6 @@ def linear_format(quant: dict[str, Any]) -> tuple[str, str]:
         bits = quant.get("bits", 4)
         if bits not in (4, 8):
             raise ValueError(f"GPTQ with {bits} bits is not supported (4 or 8)")
-        if quant.get("desc_act"):
-            raise ValueError("GPTQ with desc_act (activation-order groups) is not supported yet; "
-                             "re-quantize with desc_act=false")
         return "gptq", f"int{bits}-{_group_name(quant.get('group_size', 128))}-zp"
     if method == "compressed-tensors":
         groups = list((quant.get("config_groups") or {}).values())
@@ -41,11 +41,15 @@ def linear_format(quant: dict[str, Any]) -> tuple[str, str]:
         if fmt not in PARTS or fmt in ("awq", "gptq"):
             raise ValueError(f"compressed-tensors format {fmt!r} is not supported "
                              "(pack-quantized, float-quantized, int-quantized, naive-quantized)")
-        if weights.get("actorder"):
-            raise ValueError("compressed-tensors with actorder is not supported yet")
+        if weights.get("actorder") not in (None, False, *ACTORDER_WEIGHT, *ACTORDER_GROUP):
+            raise ValueError(f"compressed-tensors actorder {weights.get('actorder')!r} is not supported "
+                             "(weight, static, group, dynamic)")
         group_name = _group_name(weights.get("group_size") if strategy == "group" else -1)
         if strategy not in ("group", "channel", "tensor"):
             raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported")
+        if weights.get("actorder") in ACTORDER_GROUP and (fmt != "pack-quantized" or strategy != "group"):
+            raise ValueError(f"compressed-tensors actorder {weights.get('actorder')!r} is served for pack-quantized "
+                             f"group weights, not {fmt} {strategy}")
         if kind == "float" and bits == 8:
             return fmt, "fp8-ch"
         if kind == "int" and bits in (4, 8):
@@ -53,6 +57,18 @@ def linear_format(quant: dict[str, Any]) -> tuple[str, str]:
             return fmt, f"int{bits}-{group_name}" + ("-zp" if asymmetric or bits == 4 else "")
         raise ValueError(f"compressed-tensors weights of type {kind} with {bits} bits are not supported")
     raise ValueError(f"quantization_config quant_method {method!r} is not supported")
+
+
+def has_input_order(quant: dict[str, Any]) -> bool:
+    """Whether a checkpoint's quantized layers may group their inputs in activation order (a ``g_idx`` per layer, not
+    consecutive inputs): GPTQ's ``desc_act`` and compressed-tensors' ``actorder: group``. Their layers then take their
+    inputs permuted so that each group is consecutive (models/quantized_checkpoints.py)."""
+    if quant.get("quant_method") == "gptq":
+        return bool(quant.get("desc_act"))
+    if quant.get("quant_method") == "compressed-tensors":
+        groups = list((quant.get("config_groups") or {}).values())
+        return bool(groups) and (groups[0].get("weights") or {}).get("actorder") in ACTORDER_GROUP
+    return False
 
 
 def _group_name(group_size: int | None) -> str:

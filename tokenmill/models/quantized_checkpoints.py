@@ -16,8 +16,14 @@ buffers). Codes are repacked (the nibble order differs), never dequantized; zero
   values a word in AWQ's order (0, 2, 4, 6, 1, 3, 5, 7); ``scales`` fp16 [in / group, out].
 - GPTQ: ``qweight`` int32 [in * bits / 32, out] packed along the input, ``qzeros`` int32 [groups, out * bits / 32]
   along the output, ``scales`` fp16 [groups, out], ``g_idx`` [in]; the ``gptq`` checkpoint format stores zeros
-  minus one (``gptq_v2`` does not). With ``desc_act`` the groups follow ``g_idx`` (activation order) rather than the
-  input order: not served yet (a clear error).
+  minus one (``gptq_v2`` does not). With ``desc_act`` the groups follow ``g_idx`` (activation order: input i is in
+  group ``g_idx[i]``) rather than the input order.
+
+Activation order (GPTQ's ``desc_act``, compressed-tensors' ``actorder: group`` with ``weight_g_idx``): the layer's
+inputs are sorted by group (``input_perm``: a stable argsort of g_idx), its codes' columns permuted alike, and the layer
+permutes its input before the matmul (models/layers/linear.py): ``x @ W^T = x[:, perm] @ W[:, perm]^T``, and in the
+permuted order every group is consecutive, as the kernels need. A g_idx whose groups are not all ``group_size`` inputs
+(the last one excepted) is a ModelLoadError.
 
 A tensor that does not have the shape its method defines is a ModelLoadError naming it, before anything is served.
 """
@@ -30,7 +36,7 @@ import torch
 
 from tokenmill.kernels.quant_linear import pack_int4
 from tokenmill.models.paths import ModelLoadError
-from tokenmill.models.quant_methods import PARTS, linear_format
+from tokenmill.models.quant_methods import PARTS, has_input_order, linear_format
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column each 4-bit slot of a word holds, by slot
 
@@ -43,8 +49,10 @@ def convert(weights: Iterator[tuple[str, torch.Tensor]], quant: dict[str, Any], 
     module's tensors and yield its pieces."""
     method, fmt = linear_format(quant)
     quantized = set(modules)
-    needed = set(PARTS[method]) | ({"weight_zero_point"} if method == "pack-quantized" and _asymmetric(quant)
-                                   else set())
+    needed = set(PARTS[method])
+    if method == "pack-quantized":
+        needed |= {"weight_zero_point"} if _asymmetric(quant) else set()
+        needed |= {"weight_g_idx"} if has_input_order(quant) else set()
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         module, _, leaf = name.rpartition(".")
@@ -140,13 +148,36 @@ def _gptq(module: str, t: dict[str, torch.Tensor], bits: int, quant: dict[str, A
     _check(module, "qweight", qweight, (in_features // per_word, out_features), (torch.int32,))
     _check(module, "qzeros", qzeros, (groups, -(-out_features // per_word)), (torch.int32,))
     _check(module, "scales", scales, (groups, out_features), (torch.float16, torch.bfloat16, torch.float32))
-    if not torch.equal(g_idx.long(), torch.arange(in_features) // group_size):
-        raise ModelLoadError(f"{module}.g_idx is not in input order (activation-order groups): not supported yet")
     codes = unpack_int32(qweight.T.contiguous(), bits, in_features)  # [out, in]
     zeros = unpack_int32(qzeros, bits, out_features).T.contiguous()  # [out, groups]
     if quant.get("checkpoint_format", "gptq") != "gptq_v2":
         zeros = zeros + 1
-    return _codes_out(codes, scales.T.contiguous(), zeros, bits, f"int{bits}-zp")
+    perm = _input_order(module, "g_idx", g_idx, group_size, ordered=bool(quant.get("desc_act")))
+    return _ordered(_codes_out(codes if perm is None else codes[:, perm], scales.T.contiguous(), zeros, bits,
+                               f"int{bits}-zp"), perm)
+
+
+def _input_order(module: str, leaf: str, g_idx: torch.Tensor, group_size: int, ordered: bool) -> torch.Tensor | None:
+    """The input permutation that makes a layer's groups consecutive (int32 [in]); None where the layer is not served
+    in activation order (``ordered``: the config says it is), where g_idx must then be the consecutive grouping."""
+    in_features = g_idx.shape[0]
+    consecutive = torch.arange(in_features) // group_size
+    _check(module, leaf, g_idx, (in_features,), (torch.int32, torch.int64))
+    if not ordered:
+        if not torch.equal(g_idx.long(), consecutive):
+            raise ModelLoadError(f"{module}.{leaf} groups the inputs in activation order, but the config does not "
+                                 "say so (desc_act / actorder: group)")
+        return None
+    perm = torch.argsort(g_idx.long(), stable=True)
+    if not torch.equal(g_idx.long()[perm], consecutive):
+        raise ModelLoadError(f"{module}.{leaf} does not put {group_size} inputs in every group")
+    return perm.to(torch.int32)
+
+
+def _ordered(pieces: dict[str, torch.Tensor], perm: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """A layer's pieces, with its input permutation where it has one (every layer of an activation-order checkpoint
+    holds one: the identity where its g_idx is consecutive)."""
+    return pieces if perm is None else {**pieces, "input_perm": perm}
 
 
 def _pack_quantized(module: str, t: dict[str, torch.Tensor], bits: int, fmt: str) -> dict[str, torch.Tensor]:
@@ -163,7 +194,11 @@ def _pack_quantized(module: str, t: dict[str, torch.Tensor], bits: int, fmt: str
         zeros = unpack_int32(zp.T.contiguous(), bits, out_features).T.contiguous() if zp.dtype == torch.int32 \
             else zp.to(torch.int32) + 2 ** (bits - 1)
         _check(module, "weight_zero_point", zeros, (out_features, groups), (torch.int32,))
-    return _codes_out(codes, scales, zeros, bits, fmt)
+    perm = None
+    if "weight_g_idx" in t:
+        perm = _input_order(module, "weight_g_idx", t["weight_g_idx"], -(-in_features // groups), ordered=True)
+        codes = codes[:, perm]
+    return _ordered(_codes_out(codes, scales, zeros, bits, fmt), perm)
 
 
 def _unpacked(module: str, t: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:

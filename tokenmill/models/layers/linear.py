@@ -19,25 +19,30 @@ from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.cpu_native import library
 from tokenmill.kernels.quant_linear import CPUQuantMatmul, WeightFormat, quant_linear, quantize
 
-QUANT_BUFFERS = ("qweight", "scales", "mins")
+QUANT_BUFFERS = ("qweight", "scales", "mins", "input_perm")
 
 
 class LinearPlan(NamedTuple):
     """How one linear layer holds its weight: ``fmt`` (a format name); calls of ``dense_from_rows`` rows and more run
     on a dense copy (None: none is kept); ``quantize_at_load``: the checkpoint's tensor is full precision and is
-    rounded into the format as it is copied in (else the checkpoint offers it quantized)."""
+    rounded into the format as it is copied in (else the checkpoint offers it quantized); ``input_order``: the
+    checkpoint groups the inputs in activation order, so the layer holds an input permutation."""
     fmt: str
     dense_from_rows: int | None = None
     quantize_at_load: bool = False
+    input_order: bool = False
 
 
 class QuantLinear(nn.Module):
     """out = x @ W^T + bias with W in ``fmt``. Invariant: a dense copy of W (the checkpoint's full-precision weight)
     exists exactly when ``dense_from_rows`` is set: in ``weight`` as loaded, and in ``dense`` once packed for oneDNN
-    (``weight`` then None where the packed copy is all that is kept)."""
+    (``weight`` then None where the packed copy is all that is kept). With an ``input_perm`` (int32 [in], an
+    activation-order checkpoint's; None otherwise or where it is the identity) the buffers hold W's columns in that
+    order and every call permutes its input alike: out = x[..., perm] @ W[:, perm]^T."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fmt: WeightFormat,
-                 dense_from_rows: int | None = None, quantize_at_load: bool = False, dtype: torch.dtype | None = None):
+                 dense_from_rows: int | None = None, quantize_at_load: bool = False, dtype: torch.dtype | None = None,
+                 input_order: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
         self.quantize_at_load = quantize_at_load
@@ -45,6 +50,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, torch.empty(shape, dtype=buffer_dtype))
         if not fmt.has_min:
             self.mins = None
+        self.register_buffer("input_perm", torch.empty(in_features, dtype=torch.int32) if input_order else None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.dense_from_rows = dense_from_rows
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False) \
@@ -66,7 +72,15 @@ class QuantLinear(nn.Module):
             self.scales, self.mins = self.scales.float(), self.mins.float()
         self._cpu_kernel = CPUQuantMatmul(self.fmt, self.qweight, self.scales, self.mins, self.bias) if use else None
 
+    def drop_identity_order(self) -> None:
+        """After loading: an input permutation that is the identity (a layer whose g_idx was consecutive) is not kept."""
+        perm = self.input_perm
+        if perm is not None and torch.equal(perm, torch.arange(self.in_features, dtype=perm.dtype, device=perm.device)):
+            self.input_perm = None
+
     def run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
         kernel = self._cpu_kernel  # the hot path (a decode on a CPU) first: Python costs ~1 us a line here
         if kernel is not None and (self.dense_from_rows is None or x.numel() < self.dense_from_rows * self.in_features):
             return kernel(x)
@@ -108,6 +122,7 @@ def quantize_linears(model: nn.Module, plan: dict[str, LinearPlan], dtype: torch
             raise ValueError(f"{path} is not a linear layer")
         setattr(parent, child_name, QuantLinear(linear.in_features, linear.out_features, linear.bias is not None,
                                                 WeightFormat.parse(entry.fmt), entry.dense_from_rows,
-                                                entry.quantize_at_load, dtype or linear.weight.dtype))
+                                                entry.quantize_at_load, dtype or linear.weight.dtype,
+                                                entry.input_order))
         swapped += 1
     return swapped
