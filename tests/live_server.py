@@ -124,12 +124,12 @@ def inprocess_server(**config):
 
     from tokenmill.config import load_config
     from tokenmill.server.app import build_app
-    from tokenmill.server.auth import Authenticator
+    from tokenmill.server.auth import authenticator_for
     from tokenmill.server.deps import ServerState
     from tokenmill.server.launch import _loader
 
     engine_config = load_config(engine_process=False, **config)
-    state, clients = ServerState(Authenticator({}), False), []
+    state, clients = ServerState(authenticator_for(engine_config), False), []
     app = build_app(state, _loader(engine_config, clients, lambda exc: None), [],
                     engine_config.max_request_body_bytes)
     port = free_port()

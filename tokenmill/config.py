@@ -17,6 +17,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
+from tokenmill.key_policy import KeyPolicy, check_unique
+
 ENV_PREFIX = "TOKENMILL_"
 # torchrun's (torch.distributed's) launch variables -> the fields they set.
 LAUNCH_ENV = {"RANK": "rank", "WORLD_SIZE": "world_size", "LOCAL_RANK": "local_rank", "MASTER_ADDR": "master_addr",
@@ -27,8 +29,8 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
 
 
 # Fields only `tokenmill serve` uses; the other commands take the rest.
-SERVER_FIELDS = frozenset({"host", "port", "served_model_name", "api_key", "api_key_file", "auth_all_endpoints",
-                           "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json", "engine_process",
+SERVER_FIELDS = frozenset({"host", "port", "served_model_name", "api_key", "api_key_file", "keys",
+                           "auth_all_endpoints", "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json", "engine_process",
                            "tool_call_parser", "reasoning_parser", "chat_template", "default_chat_template_kwargs",
                            "responses_store_max_count", "responses_store_max_bytes", "max_request_body_bytes", "max_n",
                            "max_stop_sequences",
@@ -141,6 +143,8 @@ class EngineConfig(BaseSettings):
     served_model_name: str | None = Field(None, description="model id in the API; default: the checkpoint's name")
     api_key: list[str] = Field(default_factory=list, description="accepted API key (repeatable)")
     api_key_file: str | None = Field(None, description="file of 'name: key' lines")
+    keys: list[KeyPolicy] = Field(default_factory=list, description="API keys as tenants ([[keys]] tables in the "
+                                  "TOML file: name, key or key_sha256, models, rpm, tpm; tokenmill/key_policy.py)")
     auth_all_endpoints: bool = Field(False, description="also require a key for /health, /ready and /metrics")
     cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origin (repeatable)")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests get to finish on SIGTERM")
@@ -203,6 +207,22 @@ class EngineConfig(BaseSettings):
     def _parse_size(cls, value: Any) -> int:
         return parse_byte_size(value)
 
+    @field_validator("keys", mode="before")
+    @classmethod
+    def _parse_keys(cls, value: Any) -> Any:
+        # An environment variable: a JSON list; a repeated CLI flag: one JSON object each.
+        try:
+            value = json.loads(value) if isinstance(value, str) else value
+            return [json.loads(v) if isinstance(v, str) else v for v in value] if isinstance(value, list) else value
+        except ValueError:
+            raise ValueError("keys: not JSON (a list of objects, or one object per --keys flag)") from None
+
+    @field_validator("keys")
+    @classmethod
+    def _unique_keys(cls, value: list[KeyPolicy]) -> list[KeyPolicy]:
+        check_unique(value)
+        return value
+
     @model_validator(mode="after")
     def _check_lookup(self) -> "EngineConfig":
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -251,7 +271,8 @@ def _format_errors(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "config"
-        lines.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+        secret = err["loc"][:1] == ("keys",)  # never echo an API key
+        lines.append(f"{field}: {err['msg']}" + ("" if secret else f" (got {err.get('input')!r})"))
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 

@@ -72,21 +72,21 @@ class LLM:
         """Stop the engine's worker ranks (tensor parallelism); also done at interpreter exit."""
         self.engine.close()
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-                    ) -> str:
-        """Validate and queue one request of one choice (ValueError naming the problem); step ``self.engine`` to run
-        it."""
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        """Validate and queue one request of one choice (ValueError naming the problem) of ``priority`` (0
+        interactive, 1 batch: scheduler/priority.py); step ``self.engine`` to run it."""
         if params.n != 1:
             raise ValueError("add_request queues one choice: use generate() for n > 1")
-        return self._add([prompt_token_ids], params, (lambda: request_id) if request_id else uuid_hex)[0]
+        return self._add([prompt_token_ids], params, (lambda: request_id) if request_id else uuid_hex, priority)[0]
 
-    def _add(self, prompts: list[list[int]], params: SamplingParams, new_id=None) -> list[str]:
+    def _add(self, prompts: list[list[int]], params: SamplingParams, new_id=None, priority: int = 0) -> list[str]:
         """Validate, then queue ``params.n`` requests per prompt (make_engine_requests, as the server does)."""
         if params.grammar is not None:
             build_grammar(params.grammar)  # GrammarError (a ValueError) for a grammar that describes none
         try:
             requests = make_engine_requests(self.engine.info, prompts, params, time.monotonic(),
-                                            new_id=new_id or uuid_hex)
+                                            new_id=new_id or uuid_hex, priority=priority)
         except PromptError as exc:
             raise exc.cause from None
         for request in requests:

@@ -65,3 +65,15 @@ def test_promises_count_what_a_windowed_request_holds():
     admission = Admission(limit=info.kv_capacity_tokens, kv_tokens=info.kv_tokens_held)
     assert admission.reserve(admission.kv_tokens(100)) and admission.reserve(admission.kv_tokens(100))
     assert EngineInfo("m", 128, 10, 220, 1, "cpu", "fp32").kv_tokens_held(100) == 100  # one full group: the tokens
+
+
+def test_batch_work_is_refused_first():
+    """Batch promises fit within half the limit; interactive ones use all of it; an idle server admits anything."""
+    admission = Admission(limit=1000)
+    first = admission.reserve(400, batch=True)
+    assert first and not admission.reserve(101, batch=True)  # 400 + 101 > 500
+    assert admission.reserve(100, batch=True)
+    assert admission.reserve(500)  # interactive: up to the whole limit
+    assert not admission.reserve(1)
+    lone = Admission(limit=1000)
+    assert lone.reserve(900, batch=True)  # nothing else reserved: admitted whatever its size

@@ -153,10 +153,10 @@ class EngineClient:
         self._checker.check(spec)
 
     def make_requests(self, prompts: Sequence[list[int]], params: SamplingParams, arrival_time: float,
-                      cache_salt: str | None = None) -> list[EngineRequest]:
+                      cache_salt: str | None = None, priority: int = 0) -> list[EngineRequest]:
         """Validated engine requests, ``params.n`` per prompt (make_engine_requests: SamplingParamError or
-        PromptError naming the problem)."""
-        return make_engine_requests(self.info, prompts, params, arrival_time, cache_salt)
+        PromptError naming the problem), of ``priority`` (0 interactive, 1 batch)."""
+        return make_engine_requests(self.info, prompts, params, arrival_time, cache_salt, priority=priority)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit ``request`` and yield its outputs until it finishes. Closing the iterator early (the client

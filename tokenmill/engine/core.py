@@ -95,7 +95,7 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request.request_id, list(request.prompt_token_ids), request.params, max_tokens=request.max_tokens,
             eos_token_ids=self.model_config.eos_token_ids, arrival_time=request.arrival_time,
-            cache_salt=request.cache_salt))
+            cache_salt=request.cache_salt, priority=request.priority))
         self.checks.add(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:

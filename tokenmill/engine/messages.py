@@ -19,6 +19,7 @@ from tokenmill.kvcache.groups import KVGroups
 from tokenmill.models.pooling import Pooling
 from tokenmill.sampling.params import SamplingParamError, SamplingParams
 from tokenmill.scheduler.output import PromptLogprob, TokenLogprobs
+from tokenmill.scheduler.priority import BATCH, INTERACTIVE  # noqa: F401 - the API side names priorities from here
 
 
 @dataclass
@@ -31,6 +32,8 @@ class EngineRequest:
     arrival_time: float
     # Only requests with equal salts share prefix-cache blocks (vLLM's ``cache_salt``; None is a salt too).
     cache_salt: str | None = None
+    # Lower first: INTERACTIVE or BATCH (scheduler/priority.py).
+    priority: int = INTERACTIVE
 
 
 @dataclass
@@ -146,8 +149,8 @@ class PromptError(ValueError):
 
 
 def make_engine_requests(info: EngineInfo, prompts: Sequence[list[int]], params: SamplingParams, arrival_time: float,
-                         cache_salt: str | None = None, new_id: Callable[[], str] = lambda: uuid.uuid4().hex
-                         ) -> list[EngineRequest]:
+                         cache_salt: str | None = None, new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+                         priority: int = 0) -> list[EngineRequest]:
     """The one front-end path (``LLM`` and the server): validate each prompt with ``params`` against the loaded model,
     then fan out ``params.n`` choices per prompt, prompt-major. Each choice is its own request with n = 1; seeded
     choices get distinct, reproducible seeds (seed + choice index). Raises SamplingParamError (a bad parameter) or
@@ -163,5 +166,5 @@ def make_engine_requests(info: EngineInfo, prompts: Sequence[list[int]], params:
         for choice in range(params.n):
             seed = None if params.seed is None else params.seed + choice
             one = params if params.n == 1 else dataclasses.replace(params, n=1, seed=seed)
-            requests.append(EngineRequest(new_id(), list(prompt), one, max_tokens, arrival_time, cache_salt))
+            requests.append(EngineRequest(new_id(), list(prompt), one, max_tokens, arrival_time, cache_salt, priority))
     return requests

@@ -39,6 +39,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Requests share cached prefix blocks only when their salts are equal (vLLM's cache_salt, per tenant).
     cache_salt: str | None = None
+    # Lower first: 0 interactive, 1 batch (scheduler/priority.py).
+    priority: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

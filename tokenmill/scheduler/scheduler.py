@@ -7,6 +7,10 @@ decode is a chunk of one. When the KV pool cannot cover a running request's chun
 running request is preempted: its blocks are freed and it goes to the front of the waiting queue, to be
 recomputed from its prompt and the outputs it already has.
 
+Priorities (scheduler/priority.py) order both queues: interactive requests before batch ones, so the budget goes to
+them first and preemption takes batch work first; while an interactive request waits or is in its prompt, running
+batch requests sit the step out, and it may preempt one for its seat or its blocks.
+
 Admission looks up the request's leading full blocks in the prefix cache first (kvcache/manager.py): the blocks
 found become its computed prefix, so a prefix hit is just a request that starts with ``num_computed_tokens > 0``.
 After each step, the blocks a step completed are offered to the cache, then a sliding-window group's blocks that the
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from tokenmill.kvcache.manager import KVCacheManager
 from tokenmill.scheduler.output import (Kept, NewRequestData, OutputReports, RunnerOutput, RunningRequestData,
                                        SchedulerOutput, Stop)
+from tokenmill.scheduler.priority import insert_by_priority, yielding_above
 from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.scheduler.stats import SchedulerStats, SpecStats
 
@@ -68,7 +73,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        insert_by_priority(self.waiting, request)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -80,11 +85,12 @@ class Scheduler:
         self._finished_ids = []
         budget = self.max_num_batched_tokens
         now = time.monotonic()
+        yielding = yielding_above(self.running, self.waiting, blocked)  # scheduler/priority.py
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.request_id in blocked:
+            if request.request_id in blocked or (yielding is not None and request.priority > yielding):
                 i += 1
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -107,12 +113,17 @@ class Scheduler:
         # Admitting while preempting would only thrash: wait for a step that needs no preemption.
         admissible = [] if out.preempted_ids else [r for r in self.waiting if r.request_id not in blocked]
         for request in admissible:
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0:
+                break
+            if len(self.running) >= self.max_num_seqs and not self._preempt_lower(request, out):
                 break
             hits = [] if request.needs_every_position else self.kv.find_cached_prefix(request)
             num_hit_tokens = len(hits[0]) * self.kv.block_size if hits else 0
             n = min(request.num_tokens - num_hit_tokens, budget)
-            if not self.kv.allocate_slots(request, n, hits):
+            admitted = self.kv.allocate_slots(request, n, hits)
+            while not admitted and self._preempt_lower(request, out):
+                admitted = self.kv.allocate_slots(request, n, hits)
+            if not admitted:
                 break
             self.waiting.remove(request)
             self.kv.record_prefix_query(request.num_tokens, num_hit_tokens)
@@ -120,7 +131,7 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
                 request.num_cached_tokens = num_hit_tokens
-            self.running.append(request)
+            insert_by_priority(self.running, request)
             out.new_requests.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens, request.sampling_params,
                 [list(table) for table in request.block_tables], request.num_computed_tokens))
@@ -168,6 +179,16 @@ class Scheduler:
                 return False
         return True
 
+    def _preempt_lower(self, request: Request, out: SchedulerOutput) -> bool:
+        """Preempt the lowest-priority running request if its priority is below ``request``'s (it sat this step out:
+        scheduler/priority.py), to give ``request`` its seat or blocks; False if there is none."""
+        if not self.running or self.running[-1].priority <= request.priority:
+            return False
+        victim = self.running.pop()
+        self._preempt(victim)
+        out.preempted_ids.append(victim.request_id)
+        return True
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
@@ -175,7 +196,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        insert_by_priority(self.waiting, request, first=True)
 
     def kept_tokens(self, result: RunnerOutput) -> dict[str, Kept]:
         """Each sampling request's tokens as far as its token stops let it keep them (read only: what the reporters

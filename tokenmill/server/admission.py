@@ -6,6 +6,9 @@ validation, so no single valid request is refused forever.
 A ``Reservation`` is taken once (``reserve``) and released once, by its owner: the request's Tracker
 (server/serving.py), when the response is over, however it ended (finished, failed, or the client left).
 
+Batch requests (a batch key, or ``service_tier: "flex"``) are admitted only while all promises stay within half the
+limit, so they are refused first and interactive requests keep the rest.
+
 Retry-After: how long until the refused promise would fit, at the rate promises have been draining (released
 tokens over the last ``window`` seconds); 1 s before anything has drained, at most ``max_retry_after`` s.
 """
@@ -16,6 +19,9 @@ import math
 import time
 from collections import deque
 from typing import Callable
+
+
+BATCH_SHARE = 0.5  # of the limit, batch promises may fill: with the default 2x overcommit, the KV cache's own size
 
 
 class Reservation:
@@ -46,9 +52,12 @@ class Admission:
         """Promised tokens over the limit: 1.0 means new requests are being refused."""
         return self.promised_tokens / self.limit if self.limit else 0.0
 
-    def reserve(self, tokens: int) -> Reservation | None:
-        """Admit a promise of ``tokens`` if it fits (always, when nothing else is reserved); None if not."""
-        if self.num_reserved and self.promised_tokens + tokens > self.limit:
+    def reserve(self, tokens: int, batch: bool = False) -> Reservation | None:
+        """Admit a promise of ``tokens`` if it fits (always, when nothing else is reserved); None if not. Batch work
+        (scheduler/priority.py) is refused first: it fits only within ``BATCH_SHARE`` of the limit, so interactive
+        requests keep the rest."""
+        limit = self.limit * BATCH_SHARE if batch else self.limit
+        if self.num_reserved and self.promised_tokens + tokens > limit:
             return None
         self.promised_tokens += tokens
         self.num_reserved += 1

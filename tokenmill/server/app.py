@@ -45,6 +45,28 @@ class InFlight:
             self.count -= 1
 
 
+class RateLimitHeaders:
+    """ASGI middleware: every response to a key with rate limits carries OpenAI's ``x-ratelimit-*`` headers (its
+    buckets as the response starts, so after this request's own charge; server/tenants.py)."""
+
+    def __init__(self, app: Any, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_headers(message: dict) -> None:
+            key_name = scope.get("state", {}).get("key_name")
+            if message["type"] == "http.response.start" and key_name and self.state.ctx is not None:
+                extra = self.state.ctx.tenants.headers(key_name)
+                present = {name.lower() for name, _ in message.get("headers", [])}
+                message["headers"] = list(message.get("headers", [])) + [
+                    (k.encode(), v.encode()) for k, v in extra.items() if k.encode() not in present]
+            await send(message)
+        await self.app(scope, receive, send_with_headers)
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("tokenmill")
@@ -77,5 +99,5 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"])
     for router in (health.router, openai.router, responses.router, anthropic.router, tokenize.router):
         app.include_router(router)
-    state.in_flight = InFlight(app)
+    state.in_flight = InFlight(RateLimitHeaders(app, state))
     return BodySizeLimit(state.in_flight, max_body_bytes)

@@ -122,8 +122,10 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest, key_name
         params = dataclasses.replace(params, skip_special_tokens=False)  # harmony's markup is special tokens
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
-    requests, reservation = make_requests(ctx, [prompt], params, "messages", arrival, body.cache_salt)
-    return Tracker(ctx, endpoint, arrival, key_name, requests, reservation, tools=plan, grammar_param=grammar_param)
+    requests, reservation, charge = make_requests(ctx, [prompt], params, "messages", arrival, key_name,
+                                                  body.cache_salt, body.service_tier)
+    return Tracker(ctx, endpoint, arrival, key_name, requests, reservation, charge, tools=plan,
+                   grammar_param=grammar_param)
 
 
 def split_reasoning(ctx: ServerContext, text: str) -> tuple[str | None, str]:

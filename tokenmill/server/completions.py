@@ -47,8 +47,9 @@ async def prepare_completion(ctx: ServerContext, body: CompletionRequest, key_na
     if constraint is not None:
         await check(ctx, *constraint)
         params = dataclasses.replace(params, grammar=constraint[1])
-    requests, reservation = make_requests(ctx, prompts, params, "prompt", arrival, body.cache_salt)
-    return Tracker(ctx, "completions", arrival, key_name, requests, reservation,
+    requests, reservation, charge = make_requests(ctx, prompts, params, "prompt", arrival, key_name, body.cache_salt,
+                                                  body.service_tier)
+    return Tracker(ctx, "completions", arrival, key_name, requests, reservation, charge,
                    grammar_param=constraint[0] if constraint else None)
 
 

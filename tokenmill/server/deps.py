@@ -41,10 +41,12 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.tokenmill
 
 
-def api_key(state: ServerState = Depends(server_state), authorization: str | None = Header(None),
+def api_key(request: Request, state: ServerState = Depends(server_state), authorization: str | None = Header(None),
             x_api_key: str | None = Header(None)) -> str | None:
-    """The caller's key name (None when auth is off); a 401 for a missing or wrong key."""
-    return state.auth.check(authorization, x_api_key)
+    """The caller's key name (None when auth is off); a 401 for a missing or wrong key. Kept in the request's state
+    for the rate-limit headers of its response (server/app.py)."""
+    request.state.key_name = name = state.auth.check(authorization, x_api_key)
+    return name
 
 
 def operator_key(state: ServerState = Depends(server_state), authorization: str | None = Header(None),
@@ -59,7 +61,9 @@ def ready_context(state: ServerState = Depends(server_state), _: str | None = De
     return state.ready_context()
 
 
-def check_model(ctx: ServerContext, model: str | None) -> None:
+def check_model(ctx: ServerContext, model: str | None, key_name: str | None) -> None:
+    """A 404 for a model this server does not serve, or that the caller's key may not use ([[keys]] models)."""
     if model is not None and model != ctx.model_name:
         raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", param="model",
                        code="model_not_found")
+    ctx.tenants.check_model(key_name, ctx.model_name)

@@ -60,8 +60,8 @@ async def prepare_embeddings(ctx: ServerContext, body: EmbeddingRequest, key_nam
     _check_dimensions(ctx, body.dimensions)
     prompts = await _inputs(ctx, body.input)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling=ctx.client.info.pooling.mode)
-    requests, reservation = make_requests(ctx, prompts, params, "input", arrival)
-    return Tracker(ctx, "embeddings", arrival, key_name, requests, reservation)
+    requests, reservation, charge = make_requests(ctx, prompts, params, "input", arrival, key_name)
+    return Tracker(ctx, "embeddings", arrival, key_name, requests, reservation, charge)
 
 
 def _finish(ctx: ServerContext, vector: list[float], dimensions: int | None, encoding: str) -> list[float] | str:

@@ -27,7 +27,8 @@ from tokenmill.engine.client import EngineClient
 from tokenmill.logs import configure_logging
 from tokenmill.server.admission import Admission
 from tokenmill.server.app import ServerState, build_app
-from tokenmill.server.auth import Authenticator, load_keys
+from tokenmill.server.auth import authenticator_for
+from tokenmill.server.tenants import Tenants
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.serving import ServerContext
@@ -91,14 +92,13 @@ def _loader(config: EngineConfig, clients: list[EngineClient], on_failure: Calla
         log.info("embeddings: %s", f"{pooling.mode} pooling{', normalized' if pooling.normalize else ''} "
                  f"({pooling.source})" if pooling.mode else f"not served ({pooling.refusal})")
         return ServerContext(client, Metrics(client, admission, info.model_name), info.model_name, config, admission,
-                             tool_format, reasoning, responses)
+                             tool_format, reasoning, responses, Tenants(config.keys))
     return load
 
 
 def serve(config: EngineConfig) -> int:
     configure_logging(config.log_json)
-    keys = load_keys(config.api_key, config.api_key_file)
-    state = ServerState(Authenticator(keys), config.auth_all_endpoints)
+    state = ServerState(authenticator_for(config), config.auth_all_endpoints)
     clients: list[EngineClient] = []
     failures: list[BaseException] = []
 

@@ -20,7 +20,8 @@ from tokenmill.engine.client import EngineClient
 from tokenmill.server.admission import Admission
 
 P = "tokenmill:"
-REJECT_REASONS = ("admission", "context_length")  # 429 (admission limit), 400 (prompt + max_tokens too long)
+# 429 (admission limit), 400 (prompt + max_tokens too long), 429 (a key over its own rpm / tpm: server/tenants.py)
+REJECT_REASONS = ("admission", "context_length", "key_rate_limit")
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,

@@ -4,7 +4,8 @@ The contract is strict: a field nobody documents is a 400 naming it ("Unrecogniz
 OpenAI answers. Accepted fields are of three kinds:
 - honored: they change the answer as OpenAI (or vLLM, for its extensions) documents;
 - accepted and without effect on the answer by their definition: ``user``, ``metadata``, ``store``,
-  ``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``prediction`` (a latency hint);
+  ``service_tier`` (``"flex"`` schedules the request as batch work: scheduler/priority.py), ``prompt_cache_key``,
+  ``safety_identifier``, ``prediction`` (a latency hint);
 - known but not served here (audio, web search, verbosity, the deprecated ``functions``): a 400 that says so
   (``UNSUPPORTED``), never a silent drop.
 ``reasoning_effort`` and ``chat_template_kwargs`` reach the chat template (server/chat.py ``template_kwargs``).

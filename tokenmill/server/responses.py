@@ -86,7 +86,8 @@ async def prepare_response(ctx: ServerContext, body: ResponsesRequest, key_name:
             max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
             response_format=_response_format(body), chat_template_kwargs=body.chat_template_kwargs,
             reasoning_effort=body.reasoning.effort if body.reasoning else None,
-            structured_outputs=body.structured_outputs, top_k=body.top_k, seed=body.seed, logit_bias=body.logit_bias)
+            structured_outputs=body.structured_outputs, top_k=body.top_k, seed=body.seed, logit_bias=body.logit_bias,
+            service_tier=body.service_tier)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise bad_request(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None

@@ -10,13 +10,14 @@ from typing import AsyncIterator
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.client import EngineClient, EngineDeadError
-from tokenmill.engine.messages import ContextLengthError, EngineRequest, PromptError, RequestOutput
+from tokenmill.engine.messages import BATCH, ContextLengthError, EngineRequest, PromptError, RequestOutput
 from tokenmill.sampling.params import SamplingParamError, SamplingParams
 from tokenmill.server.admission import Admission, Reservation
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.protocol import SamplingFields
 from tokenmill.server.response_store import ResponseStore
+from tokenmill.server.tenants import NO_CHARGE, Charge, Tenants
 from tokenmill.server.tool_calls import ToolPlan
 from tokenmill.tools.formats import HERMES, ToolFormat
 from tokenmill.tools.reasoning import ReasoningFormat
@@ -36,6 +37,7 @@ class ServerContext:
     tool_format: ToolFormat = HERMES
     reasoning: ReasoningFormat | None = None  # how thinking is split from the answer (tools/reasoning.py)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(0, 0))  # /v1/responses' store
+    tenants: Tenants = field(default_factory=lambda: Tenants([]))  # the keys' models and rates (server/tenants.py)
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -57,11 +59,14 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
 
 
 def make_requests(ctx: ServerContext, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
-                  arrival: float, cache_salt: str | None = None) -> tuple[list[EngineRequest], Reservation]:
-    """``params.n`` engine requests per prompt, validated (400s naming the parameter), and their promise reserved
-    (429 when it does not fit). The caller's Tracker owns the reservation from here on."""
+                  arrival: float, key_name: str | None, cache_salt: str | None = None,
+                  service_tier: str | None = None) -> tuple[list[EngineRequest], Reservation, Charge]:
+    """``params.n`` engine requests per prompt, validated (400s naming the parameter), of the priority the key and
+    ``service_tier`` give, their promise charged to the caller's key (429 over its rates) and reserved (429 when it
+    does not fit; batch work first). The caller's Tracker owns the reservation and the charge from here on."""
+    priority = ctx.tenants.priority(key_name, service_tier)
     try:
-        requests = ctx.client.make_requests(prompts, params, arrival, cache_salt)
+        requests = ctx.client.make_requests(prompts, params, arrival, cache_salt, priority)
     except SamplingParamError as exc:
         raise bad_request(str(exc), param=exc.param) from None
     except PromptError as exc:
@@ -69,13 +74,19 @@ def make_requests(ctx: ServerContext, prompts: list[list[int]], params: Sampling
             ctx.metrics.reject("context_length")
             raise bad_request(str(exc), param=prompt_param, code="context_length_exceeded") from None
         raise bad_request(str(exc), param=prompt_param) from None
+    try:
+        charge = ctx.tenants.charge(key_name, sum(len(r.prompt_token_ids) + r.max_tokens for r in requests))
+    except APIError:
+        ctx.metrics.reject("key_rate_limit")
+        raise
     promise = sum(ctx.admission.kv_tokens(len(r.prompt_token_ids) + r.max_tokens) for r in requests)
-    reservation = ctx.admission.reserve(promise)
+    reservation = ctx.admission.reserve(promise, batch=priority == BATCH)
     if reservation is None:
+        charge.settle(0)
         ctx.metrics.reject("admission")
         raise APIError(429, "The server is at capacity (promised KV tokens); retry later.", "rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": str(ctx.admission.retry_after(promise))})
-    return requests, reservation
+    return requests, reservation, charge
 
 
 @dataclass
@@ -98,6 +109,7 @@ class Tracker:
     key_name: str | None
     requests: list[EngineRequest]
     reservation: Reservation
+    charge: Charge = field(default_factory=lambda: NO_CHARGE)  # the key's token draw, settled at close
     tools: ToolPlan = field(default_factory=ToolPlan)  # chat: how its output is read for tool calls
     grammar_param: str | None = None  # the field its output constraint came from, for errors about it
     _progress: dict[str, _Progress] = field(default_factory=dict)
@@ -107,8 +119,10 @@ class Tracker:
         self._progress = {r.request_id: _Progress(r) for r in self.requests}
 
     def close(self) -> None:
-        """The response is over (sent, failed, or its client left): give the promise back."""
+        """The response is over (sent, failed, or its client left): give the promise back, and settle the key's
+        charge to the tokens used (each prompt once per choice, as it was charged, plus every output token)."""
         self.reservation.release()
+        self.charge.settle(sum(len(r.prompt_token_ids) for r in self.requests) + self.num_output_tokens)
 
     def observe(self, out: RequestOutput) -> None:
         """Metrics of one output; an output the engine refused mid-way (finish_reason "error": its grammar over the

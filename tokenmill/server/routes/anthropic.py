@@ -21,7 +21,7 @@ router = APIRouter(prefix="/v1")
 async def messages(body: MessagesRequest, request: Request, key_name: str | None = Depends(api_key),
                    ctx: ServerContext = Depends(ready_context)):
     arrival = time.monotonic()
-    check_model(ctx, body.model)
+    check_model(ctx, body.model, key_name)
     tracker = await prepare_messages(ctx, body, key_name, arrival)
     return await respond(request, tracker, messages_stream(ctx, body, tracker) if body.stream else None,
                          lambda: messages_response(ctx, body, tracker))
@@ -29,6 +29,7 @@ async def messages(body: MessagesRequest, request: Request, key_name: str | None
 
 @router.post("/messages/count_tokens", response_model=None, responses={
     200: {"model": TokenCount}, **anthropic_error_responses(400, 401, 404, 503)})
-async def messages_count_tokens(body: CountTokensRequest, ctx: ServerContext = Depends(ready_context)) -> dict:
-    check_model(ctx, body.model)
+async def messages_count_tokens(body: CountTokensRequest, key_name: str | None = Depends(api_key),
+                                ctx: ServerContext = Depends(ready_context)) -> dict:
+    check_model(ctx, body.model, key_name)
     return await count_tokens(ctx, body)

@@ -21,16 +21,19 @@ GENERATION_ERRORS = error_responses(400, 401, 404, 429, 500, 503)
 
 
 @router.get("/models", response_model=None, responses={200: {"model": ModelList}, **error_responses(401, 503)})
-async def models(ctx: ServerContext = Depends(ready_context), state: ServerState = Depends(server_state)) -> dict:
+async def models(key_name: str | None = Depends(api_key), ctx: ServerContext = Depends(ready_context),
+                 state: ServerState = Depends(server_state)) -> dict:
+    """The models this server serves that the caller's key may use."""
+    served = [ctx.model_name] if ctx.tenants.may_use(key_name, ctx.model_name) else []
     return {"object": "list", "data": [{
-        "id": ctx.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
-        "max_model_len": ctx.client.info.max_model_len}]}
+        "id": name, "object": "model", "created": state.created, "owned_by": "tokenmill",
+        "max_model_len": ctx.client.info.max_model_len} for name in served]}
 
 
 async def _generate(body, request: Request, key_name: str | None, ctx: ServerContext, prepare, stream, respond_whole):
     """Shared by both generation endpoints: the model, the limits, validation + admission, the answer."""
     arrival = time.monotonic()
-    check_model(ctx, body.model)
+    check_model(ctx, body.model, key_name)
     check_limits(body, ctx.config)
     tracker = await prepare(ctx, body, key_name, arrival)
     return await respond(request, tracker, stream(ctx, body, tracker) if body.stream else None,
@@ -47,7 +50,7 @@ async def chat(body: ChatCompletionRequest, request: Request, key_name: str | No
 async def embeddings(body: EmbeddingRequest, request: Request, key_name: str | None = Depends(api_key),
                      ctx: ServerContext = Depends(ready_context)):
     arrival = time.monotonic()
-    check_model(ctx, body.model)
+    check_model(ctx, body.model, key_name)
     tracker = await prepare_embeddings(ctx, body, key_name, arrival)
     return await respond(request, tracker, None, lambda: embeddings_response(ctx, body, tracker))
 

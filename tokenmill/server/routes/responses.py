@@ -24,7 +24,7 @@ router = APIRouter(prefix="/v1")
 async def create_response(body: ResponsesRequest, request: Request, key_name: str | None = Depends(api_key),
                           ctx: ServerContext = Depends(ready_context)):
     arrival = time.monotonic()
-    check_model(ctx, body.model)
+    check_model(ctx, body.model, key_name)
     exchange = await prepare_response(ctx, body, key_name, arrival)
     return await respond(request, exchange.tracker, response_stream(ctx, exchange) if body.stream else None,
                          lambda: whole_response(ctx, exchange))
