@@ -30,7 +30,8 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
 
 # Fields only `tokenmill serve` uses; the other commands take the rest.
 SERVER_FIELDS = frozenset({"host", "port", "served_model_name", "api_key", "api_key_file", "keys",
-                           "auth_all_endpoints", "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json", "engine_process",
+                           "auth_all_endpoints", "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json",
+                           "engine_process",
                            "tool_call_parser", "reasoning_parser", "chat_template", "default_chat_template_kwargs",
                            "responses_store_max_count", "responses_store_max_bytes", "max_request_body_bytes", "max_n",
                            "max_stop_sequences",

@@ -90,6 +90,8 @@ def test_keys_from_toml_with_a_sha256_and_their_errors(tmp_path):
         load_config(keys=[{"name": "x", "key": "sk-team"}, {"name": "y", "key_sha256": digest}])
     with pytest.raises(ConfigError, match="share the name"):
         load_config(keys=[{"name": "x", "key": "a"}, {"name": "x", "key": "b"}])
+    with pytest.raises(ConfigError, match="key names given twice"):  # --api-key's first key is named key-1
+        authenticator_for(load_config(api_key=["sk-a"], keys=[{"name": "key-1", "key": "sk-b"}]))
 
 
 def test_live_keys_limit_models_and_token_rates(tmp_path, smollm_llm):

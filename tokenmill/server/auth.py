@@ -8,7 +8,7 @@ import hashlib
 import hmac
 from pathlib import Path
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.server.errors import APIError
 
 
@@ -33,7 +33,7 @@ class Authenticator:
         self.keys, self.digests = keys, digests or {}
         clash = set(keys.values()) & set(self.digests.values())
         if clash:
-            raise ValueError(f"key names given twice (--api-key / --api-key-file and [[keys]]): {sorted(clash)}")
+            raise ConfigError(f"key names given twice (--api-key / --api-key-file and [[keys]]): {sorted(clash)}")
 
     def check(self, authorization: str | None, x_api_key: str | None = None) -> str | None:
         """The caller's key name (None when auth is off) from ``Authorization: Bearer KEY`` or (Anthropic's clients)

@@ -105,9 +105,10 @@ class KeyLimits:
                  "tokens per minute (TPM)": self.tokens.wait_for(tokens) if self.tokens else 0.0}
         limit, wait = max(waits.items(), key=lambda item: item[1])
         if wait > 0:
+            retry_after = str(math.ceil(wait - 1e-6))  # whole seconds (a float's last bit never adds one)
             raise APIError(429, f"Rate limit reached for key {name!r} on {limit}. Please try again in "
                                 f"{duration(wait)}.", "requests" if "RPM" in limit else "tokens",
-                           code="rate_limit_exceeded", headers={**self.headers(), "Retry-After": str(math.ceil(wait - 1e-6))})
+                           code="rate_limit_exceeded", headers={**self.headers(), "Retry-After": retry_after})
         if self.requests is not None:
             self.requests.take(1)
         if self.tokens is None:
