@@ -122,22 +122,23 @@ def packed_from_rows(out: int, inp: int, count: int, dtype: torch.dtype, threads
     return threshold
 
 
-def first_of_winning_tail(wins: list[bool]) -> int | None:
-    """The smallest of LAYOUT_PROBE_ROWS from which every larger probed count won too (None: the largest lost)."""
+def first_of_winning_tail(wins: list[bool], probe_rows: tuple[int, ...] = LAYOUT_PROBE_ROWS) -> int | None:
+    """The smallest of ``probe_rows`` from which every larger probed count won too (None: the largest lost)."""
     threshold = None
-    for rows, win in zip(reversed(LAYOUT_PROBE_ROWS), reversed(wins)):
+    for rows, win in zip(reversed(probe_rows), reversed(wins)):
         if not win:
             break
         threshold = rows
     return threshold
 
 
-def wins_by_rows(pair, inp: int, dtype: torch.dtype, copies: int, fallback_from: int, clock: Clock) -> list[bool]:
-    """For each of LAYOUT_PROBE_ROWS, whether ``b`` is at least as fast as ``a`` for ``(a, b) = pair(x, n)`` (x: that
+def wins_by_rows(pair, inp: int, dtype: torch.dtype, copies: int, fallback_from: int, clock: Clock,
+                 probe_rows: tuple[int, ...] = LAYOUT_PROBE_ROWS) -> list[bool]:
+    """For each of ``probe_rows``, whether ``b`` is at least as fast as ``a`` for ``(a, b) = pair(x, n)`` (x: that
     many random rows; n: the weight copies to walk, all of them while memory-bound); where the machine is too noisy
     to tell, whether the row count reaches ``fallback_from``."""
     wins = []
-    for rows in LAYOUT_PROBE_ROWS:
+    for rows in probe_rows:
         a, b = pair(torch.randn(rows, inp, dtype=dtype), copies if rows <= COLD_ROWS_MAX else 1)
         a(), b()  # warm-up: first calls pick kernels, fault pages in
         ratio = fastest_ratio(a, b, clock)
