@@ -45,28 +45,28 @@ def test_a_long_interactive_prompt_holds_batch_off_for_every_chunk():
     assert set(run_step(sched)[0].num_scheduled_tokens) == {"i", "b"}
 
 
+def arrives_after(sched, batch, chat):
+    """Admit ``batch`` in one step, then ``chat`` arrives: the output of the step after."""
+    for r in batch:
+        sched.add_request(r)
+    run_step(sched)
+    sched.add_request(chat)
+    return run_step(sched)[0]
+
+
 def test_interactive_requests_take_batch_seats_and_blocks_and_batch_is_preempted_first():
     # Two seats, both held by batch work: an interactive request takes the newest one's seat.
     sched = Scheduler(KVCacheManager(num_blocks=256, block_size=4), max_num_seqs=2, max_num_batched_tokens=64)
-    b1, b2 = request("b1", 8, 20, BATCH, seed=1), request("b2", 8, 20, BATCH, seed=2)
-    sched.add_request(b1)
-    sched.add_request(b2)
-    run_step(sched)
-    i1 = request("i1", 8, 4, INTERACTIVE, seed=3)
-    sched.add_request(i1)
-    out, _ = run_step(sched)
+    out = arrives_after(sched, [request("b1", 8, 20, BATCH, seed=1), request("b2", 8, 20, BATCH, seed=2)],
+                        request("i1", 8, 4, INTERACTIVE, seed=3))
     assert out.preempted_ids == ["b2"] and out.num_scheduled_tokens == {"i1": 8}
     assert [r.request_id for r in sched.waiting] == ["b2"]
     drain(sched)
     # KV blocks: 12 blocks of 4 held by two batch requests; the interactive one takes a batch request's blocks.
     sched = Scheduler(KVCacheManager(num_blocks=12, block_size=4), max_num_seqs=8, max_num_batched_tokens=64)
     batch = [request(f"b{i}", 20, 4, BATCH, seed=i) for i in range(2)]
-    for r in batch:
-        sched.add_request(r)
-    run_step(sched)
     chat = request("i", 16, 4, INTERACTIVE, seed=5)
-    sched.add_request(chat)
-    out, _ = run_step(sched)
+    out = arrives_after(sched, batch, chat)
     assert out.preempted_ids == ["b1"] and out.num_scheduled_tokens == {"i": 16}
     drain(sched)
     assert all(r.output_token_ids == expected_output(r) for r in [*batch, chat])

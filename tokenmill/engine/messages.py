@@ -150,7 +150,7 @@ class PromptError(ValueError):
 
 def make_engine_requests(info: EngineInfo, prompts: Sequence[list[int]], params: SamplingParams, arrival_time: float,
                          cache_salt: str | None = None, new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
-                         priority: int = 0) -> list[EngineRequest]:
+                         priority: int = INTERACTIVE) -> list[EngineRequest]:
     """The one front-end path (``LLM`` and the server): validate each prompt with ``params`` against the loaded model,
     then fan out ``params.n`` choices per prompt, prompt-major. Each choice is its own request with n = 1; seeded
     choices get distinct, reproducible seeds (seed + choice index). Raises SamplingParamError (a bad parameter) or

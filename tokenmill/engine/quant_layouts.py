@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 # ((out, in, format name, dense_from_rows), ...): the settled table of quantized candidates.
 # The row counts timed: finer than the dense layouts' between 4 and 16, where the quantized kernel's time (it grows
-# with the rows) crosses the dense GEMM's; a step of 13 rows on a threshold probed only at 4 and 16 ran the
-# quantized kernel 1.1-1.4x slower than dense (an AVX-512 Xeon, SmolLM2's shapes).
+# with the rows) crosses the dense GEMM's; at 12-14 rows, on thresholds probed only at 4 and 16, the quantized
+# kernel ran 1.1-1.4x slower than dense (an AVX-512 Xeon, SmolLM2's shapes).
 QUANT_PROBE_ROWS = (1, 2, 4, 6, 8, 10, 12, 14, 16, 64, 256)
 QuantLayouts = tuple[tuple[int, int, str, "int | None"], ...]
 

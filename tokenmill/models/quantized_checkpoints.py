@@ -152,15 +152,16 @@ def _gptq(module: str, t: dict[str, torch.Tensor], bits: int, quant: dict[str, A
     zeros = unpack_int32(qzeros, bits, out_features).T.contiguous()  # [out, groups]
     if quant.get("checkpoint_format", "gptq") != "gptq_v2":
         zeros = zeros + 1
-    perm = _input_order(module, "g_idx", g_idx, group_size, ordered=bool(quant.get("desc_act")))
-    return _ordered(_codes_out(codes if perm is None else codes[:, perm], scales.T.contiguous(), zeros, bits,
-                               f"int{bits}-zp"), perm)
+    perm = _input_order(module, "g_idx", g_idx, in_features, group_size, ordered=bool(quant.get("desc_act")))
+    if perm is not None:
+        codes = codes[:, perm]
+    return _ordered(_codes_out(codes, scales.T.contiguous(), zeros, bits, f"int{bits}-zp"), perm)
 
 
-def _input_order(module: str, leaf: str, g_idx: torch.Tensor, group_size: int, ordered: bool) -> torch.Tensor | None:
+def _input_order(module: str, leaf: str, g_idx: torch.Tensor, in_features: int, group_size: int, ordered: bool
+                 ) -> torch.Tensor | None:
     """The input permutation that makes a layer's groups consecutive (int32 [in]); None where the layer is not served
     in activation order (``ordered``: the config says it is), where g_idx must then be the consecutive grouping."""
-    in_features = g_idx.shape[0]
     consecutive = torch.arange(in_features) // group_size
     _check(module, leaf, g_idx, (in_features,), (torch.int32, torch.int64))
     if not ordered:
@@ -196,7 +197,8 @@ def _pack_quantized(module: str, t: dict[str, torch.Tensor], bits: int, fmt: str
         _check(module, "weight_zero_point", zeros, (out_features, groups), (torch.int32,))
     perm = None
     if "weight_g_idx" in t:
-        perm = _input_order(module, "weight_g_idx", t["weight_g_idx"], -(-in_features // groups), ordered=True)
+        perm = _input_order(module, "weight_g_idx", t["weight_g_idx"], in_features, -(-in_features // groups),
+                            ordered=True)
         codes = codes[:, perm]
     return _ordered(_codes_out(codes, scales, zeros, bits, fmt), perm)
 

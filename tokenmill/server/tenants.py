@@ -123,8 +123,11 @@ class Tenants:
     def __init__(self, policies: list[KeyPolicy], clock: Callable[[], float] = time.monotonic):
         self._limits = {p.name: KeyLimits(p, clock) for p in policies}
 
+    def _of(self, key_name: str | None) -> KeyLimits | None:
+        return self._limits.get(key_name) if key_name else None
+
     def may_use(self, key_name: str | None, model: str) -> bool:
-        limits = self._limits.get(key_name) if key_name else None
+        limits = self._of(key_name)
         return limits is None or limits.policy.models is None or model in limits.policy.models
 
     def check_model(self, key_name: str | None, model: str) -> None:
@@ -134,16 +137,16 @@ class Tenants:
                            "invalid_request_error", param="model", code="model_not_found")
 
     def charge(self, key_name: str | None, tokens: int) -> Charge:
-        limits = self._limits.get(key_name) if key_name else None
+        limits = self._of(key_name)
         return limits.charge(tokens) if limits is not None else NO_CHARGE
 
     def priority(self, key_name: str | None, service_tier: str | None) -> int:
         """The scheduling priority of a request (scheduler/priority.py): batch for a batch key, or when the request
         asks for OpenAI's ``service_tier: "flex"``; interactive otherwise (a batch key cannot ask for more)."""
-        limits = self._limits.get(key_name) if key_name else None
+        limits = self._of(key_name)
         batch = service_tier == "flex" or (limits is not None and limits.policy.priority == "batch")
         return BATCH if batch else INTERACTIVE
 
     def headers(self, key_name: str | None) -> dict[str, str]:
-        limits = self._limits.get(key_name) if key_name else None
+        limits = self._of(key_name)
         return limits.headers() if limits is not None else {}
