@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 # Triton kernels run through Triton's CPU interpreter in the tests (read by triton when a kernel module is first
 # imported, so it must be set before any test imports one). A GPU run sets TRITON_INTERPRET=0 explicitly.
@@ -15,6 +16,8 @@ os.environ.setdefault("TOKENMILL_NUM_THREADS", str(len(os.sched_getaffinity(0)))
 # Full-precision weights unless a test asks for quantized ones: the parity tests compare against transformers' fp32
 # model of the dequantized GGUF (tests/models/test_quantized*.py set --quantization themselves).
 os.environ.setdefault("TOKENMILL_QUANTIZATION", "none")
+# Servers started by the tests keep their usage ledger in a directory of this session's, not the user's.
+os.environ.setdefault("TOKENMILL_USAGE_DB", os.path.join(tempfile.mkdtemp(prefix="tokenmill-usage-"), "usage.sqlite3"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

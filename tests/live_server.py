@@ -124,14 +124,11 @@ def inprocess_server(**config):
 
     from tokenmill.config import load_config
     from tokenmill.server.app import build_app
-    from tokenmill.server.auth import authenticator_for
-    from tokenmill.server.deps import ServerState
-    from tokenmill.server.launch import _loader
+    from tokenmill.server.launch import build_state
 
     engine_config = load_config(engine_process=False, **config)
-    state, clients = ServerState(authenticator_for(engine_config), False), []
-    app = build_app(state, _loader(engine_config, clients, lambda exc: None), [],
-                    engine_config.max_request_body_bytes)
+    state = build_state(engine_config, lambda host, exc: None)
+    app = build_app(state, [], engine_config.max_request_body_bytes)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -148,5 +145,6 @@ def inprocess_server(**config):
     finally:
         server.should_exit = True
         thread.join(30)
-        for client in clients:
-            client.stop()
+        state.fleet.stop(timeout=10)
+        if state.ledger is not None:
+            state.ledger.close()

@@ -90,9 +90,9 @@ def test_scheduler_reaches_neither_torch_nor_models(module):
                                                   "tokenmill.server"))}, module
 
 
-SERVER_MAY_IMPORT = ("tokenmill.engine.client", "tokenmill.engine.messages", "tokenmill.sampling.params",
+SERVER_MAY_IMPORT = ("tokenmill.engine.client", "tokenmill.engine.messages", "tokenmill.engine.footprint", "tokenmill.sampling.params",
                      "tokenmill.structured.spec", "tokenmill.structured.errors", "tokenmill.structured.checker",
-                     "tokenmill.tools", "tokenmill.config", "tokenmill.logs", "tokenmill.server")
+                     "tokenmill.tools", "tokenmill.config", "tokenmill.model_specs", "tokenmill.logs", "tokenmill.server")
 
 
 @pytest.mark.parametrize("module", modules_under("tokenmill.server"))

@@ -18,7 +18,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, fields: typing.Iterable[s
         flag, annotation = "--" + name.replace("_", "-"), field.annotation
         default = field.default_factory() if field.default_factory else field.default
         help_text = f"{field.description or name} (default: {default})"
-        if typing.get_origin(annotation) is list:
+        optional = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if typing.get_origin(annotation) is list or (len(optional) == 1 and typing.get_origin(optional[0]) is list):
             parser.add_argument(flag, dest=name, action="append", default=None, help=help_text)
         elif annotation is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
@@ -32,7 +33,17 @@ def _config(args: argparse.Namespace, fields: typing.Iterable[str]) -> EngineCon
     return load_config(args.config_file, model=args.model, **{name: getattr(args, name) for name in fields})
 
 
+def _model_entry(value: str) -> dict:
+    """``--model NAME=PATH`` -> a [[models]] entry (an empty PATH: the embedded SmolLM2)."""
+    name, sep, path = value.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return {"name": name, "model": path or None}
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    if args.model_entries:
+        args.models = args.model_entries
     config = _config(args, args.fields)
     if config.rank:  # a multi-node launch (torchrun): only rank 0 serves
         from tokenmill.engine.ranks import run_rank
@@ -69,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     serve.add_argument("model", nargs="?", default=None, help="HF checkpoint dir or .gguf file "
                                                               "(default: the embedded SmolLM2)")
+    serve.add_argument("--model", dest="model_entries", action="append", type=_model_entry, default=None,
+                       metavar="NAME=PATH", help="serve several models (repeatable): each a name and its checkpoint "
+                       "(an empty PATH: the embedded SmolLM2); the first is the default. [[models]] in the "
+                       "--config file sets more per model")
     _add_config_flags(serve, engine_fields + sorted(SERVER_FIELDS))
     serve.set_defaults(func=_cmd_serve, fields=engine_fields + sorted(SERVER_FIELDS))
 

@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from tokenmill.key_policy import KeyPolicy, check_unique
+from tokenmill.model_specs import ModelSpec, RouteSpec, check_fleet
 
 ENV_PREFIX = "TOKENMILL_"
 # torchrun's (torch.distributed's) launch variables -> the fields they set.
@@ -29,7 +30,8 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
 
 
 # Fields only `tokenmill serve` uses; the other commands take the rest.
-SERVER_FIELDS = frozenset({"host", "port", "served_model_name", "api_key", "api_key_file", "keys",
+SERVER_FIELDS = frozenset({"host", "port", "served_model_name", "api_key", "api_key_file", "keys", "models", "routes",
+                           "max_loaded_models", "idle_unload_s", "load_wait_s", "usage_db", "hourly_cost",
                            "auth_all_endpoints", "cors_origins", "shutdown_timeout", "admission_overcommit", "log_json",
                            "engine_process",
                            "tool_call_parser", "reasoning_parser", "chat_template", "default_chat_template_kwargs",
@@ -115,6 +117,9 @@ class EngineConfig(BaseSettings):
     grammar_max_bytes: int = Field(256 * 2**20, gt=0, description="largest compiled grammar of one request "
                                                                   "(accepts '256MiB')")
     # --- parallelism
+    devices: list[int] | None = Field(None, description="the GPUs this model's engine uses, its ranks on them in "
+                                      "order (CUDA_VISIBLE_DEVICES of its engine process: one model per GPU set in a "
+                                      "server of several); None = GPUs 0..N-1")
     tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split across (heads, MLP width, "
                                                           "vocabulary), one process each on this host: GPUs 0..N-1 "
                                                           "with NCCL, or the CPU cores shared out, with gloo")
@@ -146,6 +151,22 @@ class EngineConfig(BaseSettings):
     api_key_file: str | None = Field(None, description="file of 'name: key' lines")
     keys: list[KeyPolicy] = Field(default_factory=list, description="API keys as tenants ([[keys]] tables in the "
                                   "TOML file: name, key or key_sha256, models, rpm, tpm; tokenmill/key_policy.py)")
+    models: list[ModelSpec] = Field(default_factory=list, description="several models in one server ([[models]] "
+                                    "tables in the TOML file: name, model, aliases, load, any engine setting; "
+                                    "tokenmill/model_specs.py); the first is the default")
+    routes: list[RouteSpec] = Field(default_factory=list, description="virtual model names routed to [[models]] by "
+                                    "the request's prompt length, tools or JSON schema, with fallbacks ([[routes]] "
+                                    "tables)")
+    max_loaded_models: int = Field(1, ge=1, description="most load = \"on_demand\" models loaded at once (the least "
+                                   "recently used idle one unloads to make room)")
+    idle_unload_s: float = Field(600.0, gt=0, description="seconds an on-demand model may sit idle before it unloads")
+    load_wait_s: float = Field(60.0, ge=0, description="seconds a request waits for its on-demand model to load "
+                               "before it gets 503 + Retry-After")
+    usage_db: str = Field("~/.local/share/tokenmill/usage.sqlite3", description="the usage ledger (SQLite: "
+                          "requests, tokens, errors and engine time per key x model x hour, kept across restarts; "
+                          "GET /v1/usage); '' keeps none")
+    hourly_cost: float | None = Field(None, ge=0, description="what the machine costs per hour (USD): the usage "
+                                      "ledger prices each request's engine time at it")
     auth_all_endpoints: bool = Field(False, description="also require a key for /health, /ready and /metrics")
     cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origin (repeatable)")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests get to finish on SIGTERM")
@@ -208,21 +229,42 @@ class EngineConfig(BaseSettings):
     def _parse_size(cls, value: Any) -> int:
         return parse_byte_size(value)
 
-    @field_validator("keys", mode="before")
-    @classmethod
-    def _parse_keys(cls, value: Any) -> Any:
-        # An environment variable: a JSON list; a repeated CLI flag: one JSON object each.
-        try:
-            value = json.loads(value) if isinstance(value, str) else value
-            return [json.loads(v) if isinstance(v, str) else v for v in value] if isinstance(value, list) else value
-        except ValueError:
-            raise ValueError("keys: not JSON (a list of objects, or one object per --keys flag)") from None
-
     @field_validator("keys")
     @classmethod
     def _unique_keys(cls, value: list[KeyPolicy]) -> list[KeyPolicy]:
         check_unique(value)
         return value
+
+    @field_validator("keys", "models", "routes", mode="before")
+    @classmethod
+    def _parse_tables(cls, value: Any) -> Any:
+        # An environment variable: a JSON list; a repeated CLI flag: one JSON object each.
+        try:
+            value = json.loads(value) if isinstance(value, str) else value
+            return [json.loads(v) if isinstance(v, str) else v for v in value] if isinstance(value, list) else value
+        except ValueError:
+            raise ValueError("not JSON (a list of objects, or one object per flag)") from None
+
+    @model_validator(mode="after")
+    def _check_fleet(self) -> "EngineConfig":
+        if self.routes and not self.models:
+            raise ValueError("routes need [[models]] to route to")
+        if self.models and (self.model is not None or self.served_model_name is not None):
+            raise ValueError("give the models either as [[models]] / --model NAME=PATH or as one model (the "
+                             "positional argument, served_model_name), not both")
+        check_fleet(self.models, self.routes, frozenset(type(self).model_fields), SERVER_FIELDS)
+        return self
+
+    def for_model(self, spec: ModelSpec, **defaults: Any) -> "EngineConfig":
+        """The engine config of one of ``models``: this one's settings, then ``defaults``, then the entry's own
+        (ConfigError naming the model where they are invalid)."""
+        values = self.model_dump(exclude={"models", "routes"})
+        values.update(defaults)
+        values.update(spec.settings, model=spec.model, served_model_name=spec.name)
+        try:
+            return type(self)(**values)
+        except ValidationError as exc:
+            raise ConfigError(f"model {spec.name!r}: " + _format_errors(exc)) from None
 
     @model_validator(mode="after")
     def _check_lookup(self) -> "EngineConfig":
@@ -240,6 +282,17 @@ class EngineConfig(BaseSettings):
                              f"world_size ({self.world_size})")
         if self.rank is None or self.rank >= self.world_size:
             raise ValueError(f"a launch of {self.world_size} ranks needs rank in 0..{self.world_size - 1}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_devices(self) -> "EngineConfig":
+        if self.devices is not None:
+            if len(self.devices) < self.tensor_parallel_size or len(set(self.devices)) != len(self.devices) or \
+                    min(self.devices, default=0) < 0:
+                raise ValueError(f"devices {self.devices}: need {self.tensor_parallel_size} distinct GPU indices "
+                                 "(one per tensor-parallel rank)")
+            if not self.engine_process:
+                raise ValueError("devices needs the engine in its own process (engine_process = true)")
         return self
 
     @property
@@ -288,6 +341,9 @@ def load_config(config_file: str | os.PathLike | None = None, **overrides: Any) 
     values.update(EnvSettingsSource(EngineConfig)())
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        return EngineConfig(**values)
+        config = EngineConfig(**values)
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc)) from None
+    for spec in config.models:  # each model's own settings, checked before anything loads
+        config.for_model(spec)
+    return config

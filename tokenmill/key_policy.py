@@ -7,6 +7,8 @@ enforces them (which models a key may use, its request and token rates); server/
     models = ["SmolLM2-135M-Instruct"]   # omitted: every model
     rpm = 60                        # requests per minute (omitted: no limit)
     tpm = 20000                     # tokens per minute: prompt + max_tokens promised, settled to the tokens used
+    priority = "interactive"        # or "batch": runs on the capacity interactive work leaves
+    admin = false                   # true: may read every key's usage at GET /v1/usage
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class KeyPolicy(BaseModel):
     rpm: int | None = Field(None, gt=0)
     tpm: int | None = Field(None, gt=0)
     priority: Literal["interactive", "batch"] = "interactive"
+    admin: bool = False  # may read every key's usage (GET /v1/usage); other keys read their own
 
     @model_validator(mode="after")
     def _one_secret(self) -> "KeyPolicy":

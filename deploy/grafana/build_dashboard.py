@@ -12,6 +12,7 @@ from pathlib import Path
 
 SEL = '{model_name=~"$model"}'
 RATE = "[$__rate_interval]"
+KEY_GENERATION = '{model_name=~"$model",kind="generation"}'
 
 
 def quantiles(metric: str) -> list[tuple[str, str]]:
@@ -50,6 +51,31 @@ PANELS = [
      [("aborted", f"sum(rate(tokenmill:requests_aborted_total{SEL}{RATE}))")]),
     ("Tokens per API key", "short", "Tokens per second by API key name (from --api-key-file) and kind.",
      [("{{key_name}} {{kind}}", f"sum by (key_name, kind) (rate(tokenmill:key_tokens_total{SEL}{RATE}))")]),
+    ("Generated tokens per second by model", "short", "Tokens generated per second, per served model.",
+     [("{{model_name}}", f"sum by (model_name) (rate(tokenmill:generation_tokens_total{SEL}{RATE}))")]),
+    ("Time to first token p99 by model", "s", "99th percentile of first token sent - arrival, per model.",
+     [("{{model_name}}", "histogram_quantile(0.99, sum by (le, model_name) "
+                         f"(rate(tokenmill:time_to_first_token_seconds_bucket{SEL}{RATE})))")]),
+    ("Time to first token p99 by API key", "s", "99th percentile of first token sent - arrival, per API key.",
+     [("{{key_name}}", "histogram_quantile(0.99, sum by (le, key_name) "
+                       f"(rate(tokenmill:key_time_to_first_token_seconds_bucket{SEL}{RATE})))")]),
+    ("Cost per million output tokens by model", "currencyUSD",
+     "node_hourly_cost x each model's share of engine time (its requests' steps, split by tokens computed) / its "
+     "generated tokens x 1e6.",
+     [("{{model_name}}", f"$node_hourly_cost / 3600 * 1e6 * sum by (model_name) (rate(tokenmill:engine_seconds_total"
+                         f"{SEL}{RATE})) / (sum by (model_name) (rate(tokenmill:generation_tokens_total{SEL}{RATE})) "
+                         "> 0)")]),
+    ("Cost per million output tokens by API key", "currencyUSD",
+     "node_hourly_cost x each key's share of engine time / its generated tokens x 1e6.",
+     [("{{key_name}}", f"$node_hourly_cost / 3600 * 1e6 * sum by (key_name) (rate(tokenmill:key_engine_seconds_total"
+                       f"{SEL}{RATE})) / (sum by (key_name) (rate(tokenmill:key_tokens_total{KEY_GENERATION}{RATE})) "
+                       "> 0)")]),
+    ("Requests per API key", "reqps", "Requests per second by API key and outcome (error: refused, failed or cut "
+     "off).", [("{{key_name}} {{outcome}}",
+                f"sum by (key_name, outcome) (rate(tokenmill:key_requests_total{SEL}{RATE}))")]),
+    ("Engine restarts", "short", "Engines restarted after they failed, per model, over the last hour (a server "
+     "of several models restarts them with backoff).",
+     [("{{model_name}}", f"sum by (model_name) (increase(tokenmill:engine_restarts_total{SEL}[1h]))")]),
     ("Cost per million output tokens", "currencyUSD",
      "node_hourly_cost / (3600 x generated tokens per second) x 1e6; empty while nothing is generated.",
      [("cost", f"$node_hourly_cost * 1e6 / (3600 * (sum(rate(tokenmill:generation_tokens_total{SEL}{RATE})) > 0))")]),

@@ -21,7 +21,7 @@ PATHOLOGICAL = "(a+)+" * 200
 
 
 def engine_pid(server) -> int:
-    match = re.search(r"engine process started \(pid (\d+)\)", server.log())
+    match = re.search(r"engine process started for .* \(pid (\d+)\)", server.log())
     assert match, server.log()
     return int(match.group(1))
 

@@ -16,7 +16,7 @@ from tests.live_server import FP32, MODEL, start_server, stop_server
 
 
 def engine_pid(server) -> int:
-    match = re.search(r"engine process started \(pid (\d+)\)", server.log())
+    match = re.search(r"engine process started for .* \(pid (\d+)\)", server.log())
     assert match, server.log()
     return int(match.group(1))
 

@@ -13,7 +13,9 @@ from tokenmill.server.metrics import Metrics
 def scrape(stats: EngineStats, weight_bytes: int = 0) -> dict[tuple, float]:
     client = SimpleNamespace(stats=stats, engine_in_own_process=False, info=SimpleNamespace(
         weight_bytes=weight_bytes, kv_block_size=16, kv_capacity_tokens=16 * 40))
-    text = generate_latest(Metrics(client, Admission(100), "m").registry).decode()
+    metrics = Metrics()
+    metrics.add_model("m", lambda: (client, Admission(100)))
+    text = generate_latest(metrics.registry).decode()
     return {(s.name, s.labels.get("position")): s.value for f in text_string_to_metric_families(text)
             for s in f.samples}
 

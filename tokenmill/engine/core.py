@@ -75,6 +75,7 @@ class EngineCore:
         self.num_aborted_total = 0
         self.num_decode_steps_total, self.decode_step_seconds_total = 0, 0.0
         self._step_seconds = 0.0  # running mean of a step's execution
+        self._engine_seconds: dict[str, float] = {}  # request id -> its share of the steps' time, until it finishes
         self._rss, self._rss_time = 0, float("-inf")  # read at most once a second, not every step
         self.info = EngineInfo(
             model_name=config.served_model_name or checkpoint.name, max_model_len=loaded.max_model_len,
@@ -101,6 +102,7 @@ class EngineCore:
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
         self.checks.remove(request_id)
+        self._engine_seconds.pop(request_id, None)
         if request is None:
             return None
         self.num_aborted_total += 1
@@ -152,7 +154,16 @@ class EngineCore:
         if not out.is_empty and out.total_num_scheduled_tokens == len(out.num_scheduled_tokens):  # pure decode
             self.num_decode_steps_total += 1
             self.decode_step_seconds_total += time.perf_counter() - start
+        self._share_step_time(out.num_scheduled_tokens, out.total_num_scheduled_tokens, time.perf_counter() - start)
+        for output in outputs:
+            output.engine_seconds = (self._engine_seconds.pop if output.finished else self._engine_seconds.get)(
+                output.request_id, 0.0)
         return StepOutputs(outputs, self.stats())
+
+    def _share_step_time(self, num_tokens: dict[str, int], total: int, seconds: float) -> None:
+        """Each request's share of the step's wall time, by the tokens computed for it."""
+        for request_id, n in num_tokens.items():
+            self._engine_seconds[request_id] = self._engine_seconds.get(request_id, 0.0) + seconds * n / total
 
     def _output(self, update: RequestUpdate, result: RunnerOutput, text: str, now: float) -> RequestOutput:
         request, tokens = update.request, update.new_token_ids

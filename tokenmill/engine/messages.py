@@ -60,6 +60,9 @@ class RequestOutput:
     token_time: float | None = None
     # finish_reason "error": why the engine refused the request while running it (its grammar's budget, say).
     error: str | None = None
+    # Engine time spent on the request so far: each step's wall time shared among its requests by the tokens it
+    # computed for each (the usage ledger's cost basis).
+    engine_seconds: float = 0.0
 
 
 @dataclass

@@ -147,7 +147,8 @@ class EngineProcess:
         # The child ignores SIGTERM, which is how multiprocessing's own exit hook stops daemons: stop it ourselves,
         # whatever way this process exits (this hook runs before multiprocessing's).
         atexit.register(self.stop)
-        log.info("engine process started (pid %d)", self.process.pid)
+        log.info("engine process started for %s (pid %d)",
+                 self.config.served_model_name or self.config.model or "the default model", self.process.pid)
         self._poller = zmq.Poller()  # the child's output socket and its process sentinel, watched together
         self._poller.register(self._pull, zmq.POLLIN)
         self._poller.register(self.process.sentinel, zmq.POLLIN)
@@ -218,6 +219,13 @@ class EngineProcess:
                 on_dead(exc)
 
 
+def use_devices(devices: list[int] | None) -> None:
+    """The GPUs of this engine process (and of the ranks it starts, which inherit its environment): rank r then runs
+    on the r-th of them. Set before anything initializes CUDA."""
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+
+
 def run_engine_process(config: dict[str, Any], to_engine: str, from_engine: str) -> None:
     """The child's main: load the engine core, report ready, then loop (commands in, one StepOutputs per step out)."""
     exit_with_parent()
@@ -233,6 +241,7 @@ def run_engine_process(config: dict[str, Any], to_engine: str, from_engine: str)
 
         engine_config = EngineConfig(**config)
         configure_logging(engine_config.log_json)  # the API process's format: a spawned child starts without one
+        use_devices(engine_config.devices)
         core = EngineCore(engine_config)
     except BaseException as exc:  # noqa: BLE001 - reported to the API process, which exits non-zero
         push.send_multipart([_ERROR, encoder.encode(f"{type(exc).__name__}: {exc}")])

@@ -1,7 +1,7 @@
 """The FastAPI app: its routers (server/routes/), the error handlers, in-flight accounting and the body-size limit.
 
-Lifecycle: the app answers at once; the engine loads in a background thread (``/ready`` is 503 and ``/v1/*``
-is 503 until it is up). ``begin_drain`` turns ``/ready`` and new ``/v1/*`` requests to 503 while the
+Lifecycle: the app answers at once; each model's engine loads in a background thread (``/ready`` is 503, and
+``/v1/*`` for that model, until it is up: server/fleet.py). ``begin_drain`` turns ``/ready`` and new ``/v1/*`` requests to 503 while the
 requests in flight finish.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
-import threading
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
@@ -20,8 +19,7 @@ from tokenmill.server.deps import ServerState
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.limits import BodySizeLimit
 from tokenmill.server.openapi import install_openapi
-from tokenmill.server.routes import anthropic, health, openai, responses, tokenize
-from tokenmill.server.serving import ServerContext
+from tokenmill.server.routes import anthropic, health, openai, responses, tokenize, usage
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +56,8 @@ class RateLimitHeaders:
 
         async def send_with_headers(message: dict) -> None:
             key_name = scope.get("state", {}).get("key_name")
-            if message["type"] == "http.response.start" and key_name and self.state.ctx is not None:
-                extra = self.state.ctx.tenants.headers(key_name)
+            if message["type"] == "http.response.start" and key_name:
+                extra = self.state.tenants.headers(key_name)
                 present = {name.lower() for name, _ in message.get("headers", [])}
                 message["headers"] = list(message.get("headers", [])) + [
                     (k.encode(), v.encode()) for k, v in extra.items() if k.encode() not in present]
@@ -74,21 +72,12 @@ def _version() -> str:
         return "0+unknown"
 
 
-def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origins: list[str],
-              max_body_bytes: int) -> BodySizeLimit:
+def build_app(state: ServerState, cors_origins: list[str], max_body_bytes: int) -> BodySizeLimit:
     """The ASGI app to serve: the FastAPI app wrapped in in-flight accounting (kept as state.in_flight) and the
-    body-size limit. ``load`` builds the context (the engine) in a background thread once the app is up."""
-    def load_in_background() -> None:
-        try:
-            state.ctx = load()
-        except BaseException as exc:  # noqa: BLE001 - reported by /health and the log
-            log.error("model failed to load: %s", exc)
-            state.load_error = exc
-            state.on_load_failure()
-
+    body-size limit. Its models start loading (on threads of their own) once the app is up."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        threading.Thread(target=load_in_background, name="tokenmill-load", daemon=True).start()
+        state.fleet.start()
         yield
 
     app = FastAPI(title="tokenmill", version=_version(), lifespan=lifespan)
@@ -97,7 +86,7 @@ def build_app(state: ServerState, load: Callable[[], ServerContext], cors_origin
     install_openapi(app)
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"])
-    for router in (health.router, openai.router, responses.router, anthropic.router, tokenize.router):
+    for router in (health.router, openai.router, responses.router, anthropic.router, tokenize.router, usage.router):
         app.include_router(router)
     state.in_flight = InFlight(RateLimitHeaders(app, state))
     return BodySizeLimit(state.in_flight, max_body_bytes)

@@ -1,40 +1,54 @@
-"""The FastAPI dependencies every route shares: the server's state, the caller's key, a ready engine, the model."""
+"""The FastAPI dependencies every route shares: the server's state and the caller's key. Which model serves a
+request is the router's (server/routing.py): ``state.router.serve(body, key_name, attempt)``."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import Depends, Header, Request
 
 from tokenmill.server.auth import Authenticator
 from tokenmill.server.errors import APIError
+from tokenmill.server.fleet import Fleet
+from tokenmill.server.ledger import UsageLedger
+from tokenmill.server.metrics import Metrics
+from tokenmill.server.response_store import ResponseStore
+from tokenmill.server.routing import Router
 from tokenmill.server.serving import ServerContext
+from tokenmill.server.tenants import Tenants
 
 
 class ServerState:
-    """What lives as long as the server: auth, the context once the engine is ready, the drain flag."""
+    """What lives as long as the server: auth, the models (``fleet``) and the services they share (metrics, the
+    keys' limits, stored responses), the drain flag."""
 
-    def __init__(self, authenticator: Authenticator, auth_all_endpoints: bool):
+    def __init__(self, authenticator: Authenticator, auth_all_endpoints: bool, fleet: Fleet, metrics: Metrics,
+                 tenants: Tenants, responses: ResponseStore, ledger: UsageLedger | None = None):
         self.auth = authenticator
         self.auth_all_endpoints = auth_all_endpoints
-        self.ctx: ServerContext | None = None
-        self.load_error: BaseException | None = None
+        self.fleet, self.metrics, self.tenants, self.responses = fleet, metrics, tenants, responses
+        self.ledger = ledger
+        self.router = Router(fleet, tenants)
         self.draining = False
         self.in_flight: Any = None  # server/app.py's InFlight, counting /v1/ requests until their last byte
         self.created = int(time.time())
-        # Called when the model fails to load: a server that can never be ready should exit, not linger.
-        self.on_load_failure: Callable[[], None] = lambda: None
 
-    def ready_context(self) -> ServerContext:
+    @property
+    def ctx(self) -> ServerContext | None:
+        """The default model's context while it serves."""
+        return self.fleet.default.ctx
+
+    @property
+    def load_error(self) -> BaseException | None:
+        """Why a model that had to load at start-up did not (the server then exits)."""
+        return next((h.error for h in self.fleet.hosts if not h.on_demand and h.status == "failed"
+                     and h.ctx is None and not h.restart), None)
+
+    def serving(self) -> "ServerState":
         if self.draining:
             raise APIError(503, "The server is shutting down.", "service_unavailable_error")
-        if self.ctx is None:
-            raise APIError(503, "The model is still loading.", "service_unavailable_error")
-        if not self.ctx.client.healthy:
-            raise APIError(503, f"The engine has failed ({self.ctx.client.error}); the server needs a restart.",
-                           "service_unavailable_error")
-        return self.ctx
+        return self
 
 
 def server_state(request: Request) -> ServerState:
@@ -56,14 +70,6 @@ def operator_key(state: ServerState = Depends(server_state), authorization: str 
         state.auth.check(authorization, x_api_key)
 
 
-def ready_context(state: ServerState = Depends(server_state), _: str | None = Depends(api_key)) -> ServerContext:
-    """The engine's context once it serves (after the key check: an unknown caller learns nothing of the server)."""
-    return state.ready_context()
-
-
-def check_model(ctx: ServerContext, model: str | None, key_name: str | None) -> None:
-    """A 404 for a model this server does not serve, or that the caller's key may not use ([[keys]] models)."""
-    if model is not None and model != ctx.model_name:
-        raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", param="model",
-                       code="model_not_found")
-    ctx.tenants.check_model(key_name, ctx.model_name)
+def serving_state(state: ServerState = Depends(server_state), _: str | None = Depends(api_key)) -> ServerState:
+    """The server while it takes requests (after the key check: an unknown caller learns nothing of the server)."""
+    return state.serving()

@@ -14,10 +14,12 @@ log = logging.getLogger(__name__)
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None, fallback: bool = False):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
+        # The model refused for want of capacity (admission full, loading, dead): a route may try its fallbacks.
+        self.fallback = fallback
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -6,9 +6,10 @@ process never outlives this one (engine/process.py); after a drain that timed ou
 
 A model that fails to load is logged, uvicorn shuts down, and the process exits 1 within seconds.
 
-When the engine fails (its process or a tensor-parallel rank dies), requests in flight get errors at once, /ready,
-/health and new requests 503, and ``ENGINE_FAILURE_EXIT_DELAY`` seconds later the process exits 1, so that its
-supervisor (docker's restart policy, systemd, Kubernetes) starts a fresh one.
+When the engine of a lone model fails (its process or a tensor-parallel rank dies), requests in flight get errors at
+once, /ready, /health and new requests 503, and ``ENGINE_FAILURE_EXIT_DELAY`` seconds later the process exits 1, so
+that its supervisor (docker's restart policy, systemd, Kubernetes) starts a fresh one. In a server of several models
+(``[[models]]``) the others keep serving and the failed one is restarted in place (server/fleet.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from tokenmill.logs import configure_logging
 from tokenmill.server.admission import Admission
 from tokenmill.server.app import ServerState, build_app
 from tokenmill.server.auth import authenticator_for
+from tokenmill.server.fleet import Fleet, LoadContext, ModelHost
+from tokenmill.server.fleet_plan import model_configs
 from tokenmill.server.tenants import Tenants
+from tokenmill.server.ledger import UsageLedger
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.serving import ServerContext
@@ -74,12 +78,17 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def _loader(config: EngineConfig, clients: list[EngineClient], on_failure: Callable[[BaseException], None]):
-    def load() -> ServerContext:
+def model_loader(metrics: Metrics, tenants: Tenants, responses: ResponseStore, ledger: UsageLedger | None
+                 ) -> LoadContext:
+    """Builds one model's context (its engine started, blocking) around the services every model shares."""
+    def load(config: EngineConfig, on_failure: Callable[[BaseException], None]) -> ServerContext:
         client = EngineClient(config, in_process=not config.engine_process)
         client.on_failure = on_failure
-        clients.append(client)  # stopped at exit, also when it never became ready
-        info = client.start()
+        try:
+            info = client.start()
+        except BaseException:
+            client.stop(timeout=0)
+            raise
         admission = Admission(int(info.kv_capacity_tokens * config.admission_overcommit),
                               kv_tokens=info.kv_tokens_held)
         log.info("serving %s: KV cache %d tokens, admission limit %d promised tokens", info.model_name,
@@ -87,36 +96,53 @@ def _loader(config: EngineConfig, clients: list[EngineClient], on_failure: Calla
         tool_format = detect_format(client.chat_template, config.tool_call_parser)
         reasoning = detect_reasoning(client.chat_template, config.reasoning_parser)
         log.info("tool calls: %s format; reasoning: %s", tool_format.name, reasoning.name if reasoning else "none")
-        responses = ResponseStore(config.responses_store_max_count, config.responses_store_max_bytes)
         pooling = info.pooling
         log.info("embeddings: %s", f"{pooling.mode} pooling{', normalized' if pooling.normalize else ''} "
                  f"({pooling.source})" if pooling.mode else f"not served ({pooling.refusal})")
-        return ServerContext(client, Metrics(client, admission, info.model_name), info.model_name, config, admission,
-                             tool_format, reasoning, responses, Tenants(config.keys))
+        return ServerContext(client, metrics, info.model_name, config, admission, tool_format, reasoning, responses,
+                             tenants, ledger)
     return load
+
+
+def build_state(config: EngineConfig, on_fatal: Callable[[ModelHost, BaseException], None]) -> ServerState:
+    """The server's state: its models (one, or the [[models]] of the config, checked against the machine's memory
+    first) and the services they share."""
+    metrics, tenants = Metrics(), Tenants(config.keys)
+    responses = ResponseStore(config.responses_store_max_count, config.responses_store_max_bytes)
+    ledger = UsageLedger(config.usage_db, config.hourly_cost) if config.usage_db else None
+    load = model_loader(metrics, tenants, responses, ledger)
+    if not config.models:
+        hosts = [ModelHost(None, (), config, load, metrics, on_fatal=on_fatal)]
+    else:
+        configs = model_configs(config)
+        hosts = [ModelHost(spec.name, spec.aliases, model_config, load, metrics, on_demand=spec.load == "on_demand",
+                           restart=True, on_fatal=on_fatal) for spec, model_config in zip(config.models, configs)]
+    fleet = Fleet(hosts, config.routes, config.max_loaded_models, config.idle_unload_s, config.load_wait_s)
+    return ServerState(authenticator_for(config), config.auth_all_endpoints, fleet, metrics, tenants, responses,
+                       ledger)
 
 
 def serve(config: EngineConfig) -> int:
     configure_logging(config.log_json)
-    state = ServerState(authenticator_for(config), config.auth_all_endpoints)
-    clients: list[EngineClient] = []
     failures: list[BaseException] = []
 
-    def engine_failed(exc: BaseException) -> None:
+    def model_failed(host: ModelHost, exc: BaseException) -> None:
         failures.append(exc)
-        log.error("the engine failed (%s): exiting in %.0f s", exc, ENGINE_FAILURE_EXIT_DELAY)
-        threading.Timer(ENGINE_FAILURE_EXIT_DELAY, lambda: setattr(server, "should_exit", True)).start()
+        delay = ENGINE_FAILURE_EXIT_DELAY if host.served else 0.0
+        log.error("%s (%s): exiting in %.0f s", "the engine failed" if host.served else "a model failed to load",
+                  exc, delay)
+        threading.Timer(delay, lambda: setattr(server, "should_exit", True)).start()
 
-    asgi = build_app(state, _loader(config, clients, engine_failed), config.cors_origins,
-                     config.max_request_body_bytes)
+    state = build_state(config, model_failed)
+    asgi = build_app(state, config.cors_origins, config.max_request_body_bytes)
     uv_config = uvicorn.Config(asgi, host=config.host, port=config.port, log_config=None,
                                timeout_graceful_shutdown=1, access_log=False)
     server = DrainingServer(uv_config, state, config.shutdown_timeout)
-    state.on_load_failure = lambda: setattr(server, "should_exit", True)
     log.info("listening on http://%s:%d", config.host, config.port)
     try:
         server.run()
-    finally:
-        for client in clients:  # after a drain that timed out, the engine is still busy: end it at once
-            client.stop(timeout=0 if server.cut_off else ENGINE_STOP_TIMEOUT)
-    return 1 if state.load_error is not None or failures else 0
+    finally:  # after a drain that timed out, the engines are still busy: end them at once
+        state.fleet.stop(timeout=0 if server.cut_off else ENGINE_STOP_TIMEOUT)
+        if state.ledger is not None:
+            state.ledger.close()
+    return 1 if failures else 0

@@ -12,12 +12,15 @@ Definitions (measured where the server sends tokens; arrival is when the HTTP re
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenmill.engine.client import EngineClient
 from tokenmill.server.admission import Admission
+from tokenmill.server.ledger import Usage
 
 P = "tokenmill:"
 # 429 (admission limit), 400 (prompt + max_tokens too long), 429 (a key over its own rpm / tpm: server/tenants.py)
@@ -33,10 +36,14 @@ _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.
 class _EngineCollector(Collector):
     """Scheduler, client and admission state, read at scrape time (plain attributes: no locking needed for a gauge)."""
 
-    def __init__(self, client: EngineClient, admission: Admission, model: str):
-        self.client, self.admission, self.model = client, admission, model
+    def __init__(self, model: str, engine: Callable[[], "tuple[EngineClient, Admission] | None"]):
+        self.model, self.engine = model, engine
 
     def collect(self):
+        engine = self.engine()
+        if engine is None:  # not loaded (yet, or unloaded): no series until it is
+            return
+        self.client, self.admission = engine
         stats = self.client.stats
         for name, doc, value in (
             ("num_requests_running", "Requests in the running batch.", stats.num_running),
@@ -92,8 +99,9 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, client: EngineClient, admission: Admission, model: str):
-        self.model = model
+    """One registry for every model of the server; each model's series carry its ``model_name``."""
+
+    def __init__(self):
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
         self.ttft = Histogram(P + "time_to_first_token_seconds", "First token sent - arrival.", labels,
@@ -117,17 +125,44 @@ class Metrics:
                                labels + ["finish_reason"], registry=r)
         self.rejected = Counter(P + "requests_rejected", "Requests refused before running, by reason.",
                                 labels + ["reason"], registry=r)
-        self.key_tokens = Counter(P + "key_tokens", "Tokens per API key name and kind (prompt, generation).",
-                                  labels + ["key_name", "kind"], registry=r)
+        self.engine_seconds = Counter(P + "engine_seconds", "Engine time of finished requests (each step's wall "
+                                      "time shared among its requests by tokens computed).", labels, registry=r)
+        # Per API key (the keys are the configured ones: a bounded set of label values).
+        keyed = labels + ["key_name"]
+        self.key_tokens = Counter(P + "key_tokens", "Tokens per API key name and kind (prompt, cached: of the "
+                                  "prompt, served from the prefix cache; generation).", keyed + ["kind"], registry=r)
+        self.key_requests = Counter(P + "key_requests", "Requests per API key, by outcome (ok; error: refused, "
+                                    "failed or cut off before they finished).", keyed + ["outcome"], registry=r)
+        self.key_engine_seconds = Counter(P + "key_engine_seconds", "Engine time of a key's finished requests.",
+                                          keyed, registry=r)
+        self.key_ttft = Histogram(P + "key_time_to_first_token_seconds", "First token sent - arrival, per API key.",
+                                  keyed, buckets=_TTFT_BUCKETS, registry=r)
+        self.engine_restarts = Counter(P + "engine_restarts", "Engine processes restarted after they failed "
+                                       "(a server of several models restarts a model's engine with backoff).",
+                                       labels, registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes etc., for peak-memory reports
+
+    def add_model(self, model: str, engine: Callable[[], "tuple[EngineClient, Admission] | None"]) -> None:
+        """The series of one served model; ``engine`` gives its client and admission while it is loaded."""
         # Known label values start at 0, so rate() and the dashboard see the series before the first event.
         for reason in REJECT_REASONS:
             self.rejected.labels(model, reason)
         for finish_reason in ("stop", "length"):
             self.success.labels(model, finish_reason)
-        r.register(_EngineCollector(client, admission, model))
-        ProcessCollector(registry=r)  # process_resident_memory_bytes etc., for peak-memory reports
+        self.engine_restarts.labels(model)
+        self.registry.register(_EngineCollector(model, engine))
 
-    def reject(self, reason: str) -> None:
+    def account(self, model: str, key_name: str | None, usage: Usage) -> None:
+        """One request's usage (server/ledger.py): the model's engine time, and the key's series."""
+        self.engine_seconds.labels(model).inc(usage.engine_seconds)
+        if key_name:
+            self.key_requests.labels(model, key_name, "error" if usage.errors else "ok").inc()
+            for kind, tokens in (("prompt", usage.prompt_tokens), ("cached", usage.cached_tokens),
+                                 ("generation", usage.completion_tokens)):
+                self.key_tokens.labels(model, key_name, kind).inc(tokens)
+            self.key_engine_seconds.labels(model, key_name).inc(usage.engine_seconds)
+
+    def reject(self, model: str, reason: str) -> None:
         assert reason in REJECT_REASONS, reason
-        self.rejected.labels(self.model, reason).inc()
+        self.rejected.labels(model, reason).inc()
 

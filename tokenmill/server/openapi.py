@@ -173,7 +173,8 @@ class ItemList(BaseModel):
 
 
 _ERRORS = {400: "invalid request (OpenAI's invalid_request_error; `param` names the field)",
-           401: "missing or unknown API key", 404: "unknown model (or stored response)",
+           401: "missing or unknown API key", 403: "the key may not read this (another key's usage)",
+           404: "unknown model (or stored response; or the usage ledger is off)",
            429: "at capacity; see the Retry-After header",
            500: "the engine failed while generating", 503: "loading, draining, or the engine has failed"}
 

@@ -14,6 +14,7 @@ from tokenmill.engine.messages import BATCH, ContextLengthError, EngineRequest, 
 from tokenmill.sampling.params import SamplingParamError, SamplingParams
 from tokenmill.server.admission import Admission, Reservation
 from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.ledger import Usage, UsageLedger
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.protocol import SamplingFields
 from tokenmill.server.response_store import ResponseStore
@@ -38,6 +39,13 @@ class ServerContext:
     reasoning: ReasoningFormat | None = None  # how thinking is split from the answer (tools/reasoning.py)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(0, 0))  # /v1/responses' store
     tenants: Tenants = field(default_factory=lambda: Tenants([]))  # the keys' models and rates (server/tenants.py)
+    ledger: UsageLedger | None = None  # usage per key x model x hour, kept across restarts (server/ledger.py)
+
+    def account(self, key_name: str | None, usage: Usage) -> None:
+        """One request's usage, into the ledger and the per-key series."""
+        if self.ledger is not None:
+            self.ledger.record(key_name, self.model_name, usage)
+        self.metrics.account(self.model_name, key_name, usage)
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -71,21 +79,22 @@ def make_requests(ctx: ServerContext, prompts: list[list[int]], params: Sampling
         raise bad_request(str(exc), param=exc.param) from None
     except PromptError as exc:
         if isinstance(exc.cause, ContextLengthError):
-            ctx.metrics.reject("context_length")
+            ctx.metrics.reject(ctx.model_name, "context_length")
             raise bad_request(str(exc), param=prompt_param, code="context_length_exceeded") from None
         raise bad_request(str(exc), param=prompt_param) from None
     try:
         charge = ctx.tenants.charge(key_name, sum(len(r.prompt_token_ids) + r.max_tokens for r in requests))
     except APIError:
-        ctx.metrics.reject("key_rate_limit")
+        ctx.metrics.reject(ctx.model_name, "key_rate_limit")
         raise
     promise = sum(ctx.admission.kv_tokens(len(r.prompt_token_ids) + r.max_tokens) for r in requests)
     reservation = ctx.admission.reserve(promise, batch=priority == BATCH)
     if reservation is None:
         charge.settle(0)
-        ctx.metrics.reject("admission")
+        ctx.metrics.reject(ctx.model_name, "admission")
         raise APIError(429, "The server is at capacity (promised KV tokens); retry later.", "rate_limit_error",
-                       code="rate_limit_exceeded", headers={"Retry-After": str(ctx.admission.retry_after(promise))})
+                       code="rate_limit_exceeded", headers={"Retry-After": str(ctx.admission.retry_after(promise))},
+                       fallback=True)
     return requests, reservation, charge
 
 
@@ -96,6 +105,8 @@ class _Progress:
     last_token_time: float | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    engine_seconds: float = 0.0
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -119,10 +130,18 @@ class Tracker:
         self._progress = {r.request_id: _Progress(r) for r in self.requests}
 
     def close(self) -> None:
-        """The response is over (sent, failed, or its client left): give the promise back, and settle the key's
-        charge to the tokens used (each prompt once per choice, as it was charged, plus every output token)."""
+        """The response is over (sent, failed, or its client left): give the promise back, settle the key's charge
+        to the tokens used (each prompt once per choice, as it was charged, plus every output token), and account
+        the request's usage (once: a second call changes nothing)."""
+        if self.reservation.released:
+            return
         self.reservation.release()
         self.charge.settle(sum(len(r.prompt_token_ids) for r in self.requests) + self.num_output_tokens)
+        usage = self.usage(self.requests[0].params.n if self.requests else 1)
+        ok = all(p.finish_reason not in (None, "error", "abort") for p in self._progress.values())
+        self.ctx.account(self.key_name, Usage(1, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
+                                              usage["completion_tokens"], int(not ok),
+                                              sum(p.engine_seconds for p in self._progress.values())))
 
     def observe(self, out: RequestOutput) -> None:
         """Metrics of one output; an output the engine refused mid-way (finish_reason "error": its grammar over the
@@ -136,10 +155,15 @@ class Tracker:
         p = self._progress[out.request_id]
         p.num_output_tokens = out.num_output_tokens
         p.num_cached_tokens = out.num_cached_tokens
+        p.engine_seconds = max(p.engine_seconds, out.engine_seconds)
+        if out.finished:
+            p.finish_reason = out.finish_reason
         if out.new_token_ids:
             if p.first_token_time is None:
                 p.first_token_time = now
                 m.ttft.labels(model).observe(now - self.arrival)
+                if self.key_name:
+                    m.key_ttft.labels(model, self.key_name).observe(now - self.arrival)
             else:
                 m.itl.labels(model).observe(now - p.last_token_time)
             p.last_token_time = now
@@ -160,9 +184,6 @@ class Tracker:
         m.prompt_tokens.labels(model).inc(out.num_prompt_tokens)
         m.generation_tokens.labels(model).inc(out.num_output_tokens)
         m.success.labels(model, out.finish_reason or "unknown").inc()
-        if self.key_name:
-            m.key_tokens.labels(model, self.key_name, "prompt").inc(out.num_prompt_tokens)
-            m.key_tokens.labels(model, self.key_name, "generation").inc(out.num_output_tokens)
         self.finish_reasons.append(out.finish_reason)
 
     @property

@@ -130,6 +130,10 @@ class Tenants:
         limits = self._of(key_name)
         return limits is None or limits.policy.models is None or model in limits.policy.models
 
+    def is_admin(self, key_name: str | None) -> bool:
+        limits = self._of(key_name)
+        return limits is not None and limits.policy.admin
+
     def check_model(self, key_name: str | None, model: str) -> None:
         """A 404 for a model this key may not use, worded as OpenAI words a model it does not know."""
         if not self.may_use(key_name, model):

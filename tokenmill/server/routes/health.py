@@ -13,19 +13,28 @@ router = APIRouter(dependencies=[Depends(operator_key)])
 
 @router.get("/health")
 async def health(state: ServerState = Depends(server_state)) -> JSONResponse:
-    failed = state.load_error or (state.ctx is not None and not state.ctx.client.healthy)
-    return JSONResponse({"status": "error" if failed else "ok"}, status_code=503 if failed else 200)
+    """Live: 503 once a model the server cannot go on without has failed (a lone model's engine, a model that
+    did not load at start-up); a model being restarted is reported, not fatal."""
+    fleet = state.fleet
+    failed = state.load_error is not None or (state.ctx is not None and not state.ctx.client.healthy)
+    body = {"status": "error" if failed else "ok"}
+    if not fleet.lone:
+        body["models"] = fleet.statuses()
+    return JSONResponse(body, status_code=503 if failed else 200)
 
 
 @router.get("/ready")
-async def ready(state: ServerState = Depends(server_state)) -> JSONResponse:
-    ok = state.ctx is not None and not state.draining and state.ctx.client.healthy
-    reason = "draining" if state.draining else "ready" if ok else "loading"
-    return JSONResponse({"status": reason}, status_code=200 if ok else 503)
+async def ready(model: str | None = None, state: ServerState = Depends(server_state)) -> JSONResponse:
+    """Serving: every model loaded at start-up is ready (``?model=NAME``: that model, by name or alias)."""
+    ok, status = state.fleet.ready(model)
+    if state.draining:
+        ok, status = False, "draining"
+    body = {"status": status}
+    if model is None and not state.fleet.lone:
+        body["models"] = state.fleet.statuses()
+    return JSONResponse(body, status_code=200 if ok else 404 if status == "unknown model" else 503)
 
 
 @router.get("/metrics")
 async def metrics(state: ServerState = Depends(server_state)) -> Response:
-    if state.ctx is None:
-        return Response("", media_type=CONTENT_TYPE_LATEST)
-    return Response(generate_latest(state.ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

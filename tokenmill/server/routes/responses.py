@@ -7,7 +7,7 @@ import time
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from tokenmill.server.deps import api_key, check_model, ready_context
+from tokenmill.server.deps import ServerState, api_key, serving_state
 from tokenmill.server.errors import APIError
 from tokenmill.server.openapi import ItemList, ResponseDeleted, ResponseObject, error_responses
 from tokenmill.server.respond import respond
@@ -22,16 +22,19 @@ router = APIRouter(prefix="/v1")
 @router.post("/responses", response_model=None, responses={
     200: {"model": ResponseObject}, **error_responses(400, 401, 404, 429, 500, 503)})
 async def create_response(body: ResponsesRequest, request: Request, key_name: str | None = Depends(api_key),
-                          ctx: ServerContext = Depends(ready_context)):
+                          state: ServerState = Depends(serving_state)):
     arrival = time.monotonic()
-    check_model(ctx, body.model, key_name)
-    exchange = await prepare_response(ctx, body, key_name, arrival)
+
+    async def attempt(ctx: ServerContext):
+        return ctx, await prepare_response(ctx, body, key_name, arrival)
+
+    ctx, exchange = await state.router.serve(body, key_name, attempt, generation=True)
     return await respond(request, exchange.tracker, response_stream(ctx, exchange) if body.stream else None,
                          lambda: whole_response(ctx, exchange))
 
 
-def _stored(ctx: ServerContext, key_name: str | None, response_id: str) -> StoredResponse:
-    stored = ctx.responses.get(key_name, response_id)
+def _stored(state: ServerState, key_name: str | None, response_id: str) -> StoredResponse:
+    stored = state.responses.get(key_name, response_id)
     if stored is None:
         raise APIError(404, f"No response found with id '{response_id}'.", "invalid_request_error",
                        param="response_id", code="response_not_found")
@@ -41,16 +44,16 @@ def _stored(ctx: ServerContext, key_name: str | None, response_id: str) -> Store
 @router.get("/responses/{response_id}", response_model=None, responses={
     200: {"model": ResponseObject}, **error_responses(401, 404, 503)})
 async def get_response(response_id: str, key_name: str | None = Depends(api_key),
-                       ctx: ServerContext = Depends(ready_context)) -> dict:
-    return _stored(ctx, key_name, response_id).response
+                       state: ServerState = Depends(serving_state)) -> dict:
+    return _stored(state, key_name, response_id).response
 
 
 @router.delete("/responses/{response_id}", response_model=None, responses={
     200: {"model": ResponseDeleted}, **error_responses(401, 404, 503)})
 async def delete_response(response_id: str, key_name: str | None = Depends(api_key),
-                          ctx: ServerContext = Depends(ready_context)) -> dict:
-    _stored(ctx, key_name, response_id)
-    ctx.responses.delete(key_name, response_id)
+                          state: ServerState = Depends(serving_state)) -> dict:
+    _stored(state, key_name, response_id)
+    state.responses.delete(key_name, response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
@@ -59,11 +62,11 @@ async def delete_response(response_id: str, key_name: str | None = Depends(api_k
 async def list_input_items(response_id: str, limit: int = Query(20, ge=1, le=100),
                            order: str = Query("desc", pattern="^(asc|desc)$"), after: str | None = None,
                            key_name: str | None = Depends(api_key),
-                           ctx: ServerContext = Depends(ready_context)) -> dict:
+                           state: ServerState = Depends(serving_state)) -> dict:
     """The response's input items (previous responses' included), newest first unless ``order`` is asc; ``after`` is
     an item id to continue after. Items sent without an id get one here (``in_<index>``), stable per response."""
     items = [{"id": item.get("id") or f"in_{i}", **item} for i, item in
-             enumerate(_stored(ctx, key_name, response_id).input_items)]
+             enumerate(_stored(state, key_name, response_id).input_items)]
     items = items[::-1] if order == "desc" else items
     if after is not None:
         ids = [item["id"] for item in items]
