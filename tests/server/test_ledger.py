@@ -1,5 +1,6 @@
 """The usage ledger: per key x model x hour in SQLite. Unit: batching, hours, filters, cost, a reopened file. Live:
-the totals of /v1/usage equal the clients' own `usage` sums (openai's parsing) per key; after a SIGKILL mid-load and
+the totals of /v1/usage equal the clients' own `usage` sums (openai's parsing) per key, a refused request counts as an
+error; after a SIGKILL mid-load and
 a restart on the same file, every request that finished more than a second before the kill is in it and none that
 never ran; filters, CSV, the admin key, and the per-key Prometheus series."""
 
@@ -117,6 +118,12 @@ def test_live_ledger_survives_a_kill(tmp_path):
             assert body["totals"]["errors"] == 0 and body["totals"]["engine_seconds"] > 0
             assert body["totals"]["cost_usd"] == pytest.approx(body["totals"]["engine_seconds"] / 3600 * 7.2)
 
+        # a refused request is a request and an error of its key and model
+        with pytest.raises(openai.BadRequestError):
+            clients["team-b"].completions.create(model=MODEL, prompt="Hi", max_tokens=100000)
+        refused = httpx.get(server.base_url + "/usage", headers={"Authorization": "Bearer sk-b"}).json()["totals"]
+        assert (refused["requests"], refused["errors"]) == (3, 1)
+
         # the key's own usage only; an admin's of anyone; CSV
         own = httpx.get(server.base_url + "/usage", headers={"Authorization": "Bearer sk-a"}).json()
         assert {row["key"] for row in own["data"]} == {"team-a"}
@@ -125,7 +132,7 @@ def test_live_ledger_survives_a_kill(tmp_path):
         text = httpx.get(server.base_url + "/usage", params={"format": "csv"},
                          headers={"Authorization": "Bearer sk-admin"}).text
         rows = list(csv.DictReader(io.StringIO(text)))
-        assert {r["key"] for r in rows} == {"team-a", "team-b"} and sum(int(r["requests"]) for r in rows) == 5
+        assert {r["key"] for r in rows} == {"team-a", "team-b"} and sum(int(r["requests"]) for r in rows) == 6
         assert httpx.get(server.base_url + "/usage", params={"start": "2999-01-01T00:00:00Z"},
                          headers={"Authorization": "Bearer sk-admin"}).json()["data"] == []
         assert httpx.get(server.base_url + "/usage", params={"start": "yesterday"},
@@ -156,6 +163,9 @@ def test_live_ledger_survives_a_kill(tmp_path):
         for key in clients:
             totals, _ = _totals(restarted, key)
             floor, ceiling = _sums(results[key], killed - ledger_module.FLUSH_S - 0.5), _sums(results[key])
+            if key == "team-b":  # its refused request
+                floor["requests"] += 1
+                ceiling["requests"] += 1
             assert floor["requests"] > 3, "the load ran"
             # Every request finished a second before the kill is in; none that never ran. The one request in flight
             # at the kill may be in without its client having read the answer.

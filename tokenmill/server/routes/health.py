@@ -16,7 +16,7 @@ async def health(state: ServerState = Depends(server_state)) -> JSONResponse:
     """Live: 503 once a model the server cannot go on without has failed (a lone model's engine, a model that
     did not load at start-up); a model being restarted is reported, not fatal."""
     fleet = state.fleet
-    failed = state.load_error is not None or (state.ctx is not None and not state.ctx.client.healthy)
+    failed = state.load_error is not None or (fleet.lone and state.ctx is not None and not state.ctx.client.healthy)
     body = {"status": "error" if failed else "ok"}
     if not fleet.lone:
         body["models"] = fleet.statuses()
