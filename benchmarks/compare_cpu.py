@@ -94,12 +94,23 @@ def servers(args) -> dict[str, dict]:
     return found
 
 
+def _schedule(args) -> list[tuple[str, dict]]:
+    """(result name, server) in the order they run: the servers in order, then (``--rounds``) again in reverse order,
+    and so on, the later rounds' results named "NAME #2" etc., so that a drift over the run shows instead of
+    favouring whoever runs first."""
+    found, order = list(servers(args).items()), []
+    for r in range(1, args.rounds + 1):
+        round_order = found if r % 2 else found[::-1]
+        order += [(name if r == 1 else f"{name} #{r}", s) for name, s in round_order]
+    return order
+
+
 def bench_all(args) -> dict[str, list[dict]]:
     """One server at a time: start it, run every level, stop it."""
     levels = [int(c) for c in args.concurrency.split(",")]
     results: dict[str, list[dict]] = {}
-    for name, s in servers(args).items():
-        log = open(Path(args.work) / f"{name}.log", "w")
+    for name, s in _schedule(args):
+        log = open(Path(args.work) / f"{name.replace(' #', '-round-')}.log", "w")
         proc = subprocess.Popen(s["cmd"], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **s["env"]},
                                 cwd=s.get("cwd", ROOT))
         try:
@@ -141,10 +152,11 @@ def write_markdown(args, results: dict[str, list[dict]], path: Path) -> None:
                          f"{lv['ttft_s']['p50'] * 1e3:.0f} | {lv['ttft_s']['p99'] * 1e3:.0f} | "
                          f"{(lv['tpot_s']['p50'] or 0) * 1e3:.0f} | {(lv['tpot_s']['p99'] or 0) * 1e3:.0f} | "
                          f"{sum(lv['errors'].values())} |")
-    ours = {lv["concurrency"]: lv["output_tok_per_s"] for lv in results["tokenmill"]}
-    lines += ["", "Output tokens/s of tokenmill over each peer:", ""]
+    lines += ["", "Output tokens/s of tokenmill over each peer (of the same round):", ""]
     for name, levels in results.items():
-        if name != "tokenmill":
+        suffix = name[name.index(" #"):] if " #" in name else ""
+        if name != "tokenmill" + suffix:
+            ours = {lv["concurrency"]: lv["output_tok_per_s"] for lv in results["tokenmill" + suffix]}
             ratios = ", ".join(f"c={lv['concurrency']}: {ours[lv['concurrency']] / lv['output_tok_per_s']:.2f}x"
                                for lv in levels if lv["output_tok_per_s"])
             lines.append(f"- vs {name}: {ratios}")
@@ -167,6 +179,8 @@ def main() -> int:
     parser.add_argument("--tokenmill-before", help="an earlier tokenmill checkout to serve beside this one")
     parser.add_argument("--full-precision", action="store_true",
                         help="also serve this tokenmill with --quantization none (the GGUF dequantized at load)")
+    parser.add_argument("--rounds", type=int, default=1, help="serve every server this many times, each round in "
+                        "the reverse order of the one before (a drift over the run then shows)")
     parser.add_argument("--work", default="/tmp/tokenmill-compare")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare-cpu.md"),
                         help="Markdown table; the raw JSON goes beside it (.json)")

@@ -229,15 +229,22 @@ def test_on_demand_models_load_at_first_use_and_the_least_recently_used_idle_one
     assert asyncio.run(fleet.context(b)).model_name == "b"
     b.ctx.admission.num_reserved = 1  # b is busy: a, the idle one, makes room for c
     assert asyncio.run(fleet.context(c)).model_name == "c"
-    assert (a.status, b.status, c.status) == ("unloaded", "ready", "ready") and loader.loads[0].stopped
+    assert (a.status, b.status, c.status) == ("unloaded", "ready", "ready")
+    wait_for(lambda: loader.loads[0].stopped)  # its engine stops off the event loop
     c.ctx.admission.num_reserved = 1
     with pytest.raises(APIError) as refused:  # both loaded models are busy
         asyncio.run(fleet.context(a))
     assert refused.value.status == 503 and "every on-demand slot is busy" in refused.value.message
     c.ctx.admission.num_reserved = b.ctx.admission.num_reserved = 0
+
+    async def held_while_another_loads():  # a request between finding b and reserving on it keeps b loaded
+        async with fleet.hold(b):
+            b.last_used = 0.0  # the least recently used: the first to go, were it not held
+            return (await fleet.context(a)).model_name
+    assert asyncio.run(held_while_another_loads()) == "a" and b.status == "ready" and c.status == "unloaded"
     fleet.start()  # the idle unloader
     try:
-        wait_for(lambda: b.status == c.status == "unloaded", timeout=5)
+        wait_for(lambda: a.status == b.status == "unloaded", timeout=5)
     finally:
         fleet.stop(0)
 
@@ -345,3 +352,16 @@ def test_the_readme_example_is_a_valid_config(tmp_path):
     assert config.for_model(config.models[1]).quantization == "int8" and config.hourly_cost == 2.5
     assert config.routes[0].targets == ("coder", "coder", "coder", "small", "coder")
     assert [k.admin for k in config.keys] == [False, True]
+
+
+def test_a_refusal_for_the_servers_capacity_gives_the_key_its_request_back():
+    from tokenmill.key_policy import KeyPolicy
+
+    tenants = Tenants([KeyPolicy(name="k", key="sk", rpm=2, tpm=1000)])
+    first = tenants.charge("k", 100)
+    first.refund()  # admission refused it: neither its request nor its tokens count
+    tenants.charge("k", 100).settle(100)
+    tenants.charge("k", 100).settle(100)
+    with pytest.raises(APIError) as refused:
+        tenants.charge("k", 100)
+    assert refused.value.status == 429 and "RPM" in refused.value.message

@@ -41,7 +41,8 @@ class ServerState:
 
     @property
     def load_error(self) -> BaseException | None:
-        """Why a model that had to load at start-up did not (the server then exits)."""
+        """Why a lone model failed (to load, or its engine): the server then exits. A model of several that fails
+        is restarted, or stops the server through ``on_fatal`` (server/launch.py)."""
         return next((h.error for h in self.fleet.hosts if not h.on_demand and h.status == "failed"
                      and h.ctx is None and not h.restart), None)
 

@@ -14,10 +14,11 @@ acts only for the load that started that engine (``_generation``), so a delibera
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from typing import Callable
+from typing import AsyncIterator, Callable
 
 from tokenmill.config import EngineConfig, RouteSpec
 from tokenmill.server.errors import APIError
@@ -58,6 +59,7 @@ class ModelHost:
         self._started_at = 0.0
         self._generation = 0
         self._loading = False  # a load thread is waiting or running
+        self.in_use = 0  # requests between finding this model and holding its admission (Fleet.hold)
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         if name is not None:
@@ -73,9 +75,11 @@ class ModelHost:
 
     @property
     def idle(self) -> bool:
+        """No request holds or is about to hold this model (so it may be unloaded)."""
         ctx = self.ctx
-        return ctx is None or (ctx.admission.num_reserved == 0 and ctx.client.stats.num_running == 0
-                               and ctx.client.stats.num_waiting == 0)
+        return self.in_use == 0 and (ctx is None or (ctx.admission.num_reserved == 0 and
+                                                     ctx.client.stats.num_running == 0 and
+                                                     ctx.client.stats.num_waiting == 0))
 
     # --- lifecycle
     def load(self, delay: float = 0.0) -> None:
@@ -95,6 +99,9 @@ class ModelHost:
         if delay and self._stopped.wait(delay):
             return
         with self._lock:
+            if generation != self._generation:  # unloaded or stopped while it waited
+                self._loading = False
+                return
             self.status = "loading"
         try:
             ctx = self._load(self.config, lambda exc: self._engine_failed(exc, generation))
@@ -120,6 +127,8 @@ class ModelHost:
             self.ctx, self.status, self.error, self.served = ctx, "ready", None, True
             self._started_at = self.last_used = time.monotonic()
         log.info("model %s is ready", self.name)
+        if not ctx.client.healthy:  # it died between starting and now: its failure callback found it still loading
+            self._engine_failed(ctx.client.error or RuntimeError("the engine died as it started"), generation)
 
     def _engine_failed(self, exc: BaseException, generation: int) -> None:
         with self._lock:
@@ -138,18 +147,26 @@ class ModelHost:
         threading.Thread(target=ctx.client.stop, kwargs={"timeout": 0}, daemon=True).start()
         self.load(delay)
 
-    def unload(self, timeout: float = 10.0) -> None:
+    def unload(self, only_if_idle: bool = False, timeout: float = 10.0, wait: bool = False) -> bool:
+        """Let the engine go (in the background unless ``wait``); with ``only_if_idle``, only a ready, idle model
+        (checked under the lock, so a model that just failed or got a request is left alone). True if it did."""
         with self._lock:
+            if only_if_idle and not (self.status == "ready" and self.idle):
+                return False
             ctx, self.ctx = self.ctx, None
             self._generation += 1
             self.status = "unloaded" if self.on_demand else "failed"
         if ctx is not None:
             log.info("model %s unloaded", self.name)
-            ctx.client.stop(timeout=timeout)
+            if wait:
+                ctx.client.stop(timeout=timeout)
+            else:
+                threading.Thread(target=ctx.client.stop, kwargs={"timeout": timeout}, daemon=True).start()
+        return True
 
     def stop(self, timeout: float) -> None:
         self._stopped.set()
-        self.unload(timeout)
+        self.unload(timeout=timeout, wait=True)
 
     # --- requests
     def context(self) -> ServerContext:
@@ -165,6 +182,10 @@ class ModelHost:
             raise unavailable(f"The engine has failed ({self.error}); the server needs a restart.")
         if status == "failed":
             raise unavailable(f"The model `{self.name}` failed to load: {self.error}")
+        if status == "unloaded":
+            raise unavailable(f"The model `{self.name}` is not loaded.", 5)
+        if status == "ready":  # its engine died a moment ago; its failure callback is on its way
+            raise unavailable(f"The model `{self.name}` has failed ({ctx.client.error if ctx else 'no engine'}).", 5)
         raise unavailable("The model is still loading." if self.name is None else
                           f"The model `{self.name}` is still loading.", 5)
 
@@ -176,7 +197,6 @@ class Fleet:
         self.routes = {route.name: route for route in routes or []}
         self.idle_unload_s, self.load_wait_s = idle_unload_s, load_wait_s
         self._stopped = threading.Event()
-        self._admit_lock = threading.Lock()  # one on-demand load decision at a time
 
     @property
     def default(self) -> ModelHost:
@@ -184,7 +204,8 @@ class Fleet:
 
     @property
     def lone(self) -> bool:
-        """One model given as today (no [[models]]): its id is whatever its engine calls it."""
+        """One model and no routes: before it loads, any ``model`` finds it (the 503 says it is loading), as a
+        server of one model always answered."""
         return len(self.hosts) == 1 and not self.routes
 
     def start(self) -> None:
@@ -204,6 +225,16 @@ class Fleet:
             return self.default
         return next((host for host in self.hosts if model_id in host.ids), None)
 
+    @contextlib.asynccontextmanager
+    async def hold(self, host: ModelHost) -> AsyncIterator[ServerContext]:
+        """``host``'s context, the model counted busy (never unloaded) until the block ends: by then a request
+        holds its admission reservation, which keeps it busy until the response is over."""
+        host.in_use += 1
+        try:
+            yield await self.context(host)
+        finally:
+            host.in_use -= 1
+
     async def context(self, host: ModelHost) -> ServerContext:
         """``host``'s context; an on-demand model is loaded first (the request waits up to load_wait_s)."""
         if host.on_demand and host.status in ("unloaded", "failed"):
@@ -219,25 +250,24 @@ class Fleet:
             await asyncio.sleep(0.05)
 
     def _make_room(self, host: ModelHost) -> None:
-        """Unload the least recently used idle on-demand model while ``max_loaded`` are loaded (503 if all are
-        busy)."""
-        with self._admit_lock:
-            loaded = [h for h in self.hosts if h.on_demand and h is not host and h.status in ("loading", "ready")]
-            if len(loaded) < self.max_loaded:
+        """Unload the least recently used idle on-demand model while ``max_loaded`` are loaded or on their way
+        (503 if all are busy). Runs on the event loop; the engine stops in the background."""
+        loaded = [h for h in self.hosts if h.on_demand and h is not host and
+                  h.status in ("loading", "ready", "restarting")]
+        if len(loaded) < self.max_loaded:
+            return
+        for victim in sorted(loaded, key=lambda h: h.last_used):
+            if victim.unload(only_if_idle=True):
                 return
-            idle = sorted((h for h in loaded if h.status == "ready" and h.idle), key=lambda h: h.last_used)
-            if not idle:
-                raise unavailable(f"The model `{host.name}` is not loaded and every on-demand slot is busy "
-                                  f"(max_loaded_models = {self.max_loaded}).", 10)
-            idle[0].unload()
+        raise unavailable(f"The model `{host.name}` is not loaded and every on-demand slot is busy "
+                          f"(max_loaded_models = {self.max_loaded}).", 10)
 
     def _unload_idle(self) -> None:
         while not self._stopped.wait(1.0):
             now = time.monotonic()
             for host in self.hosts:
-                if host.on_demand and host.status == "ready" and host.idle and \
-                        now - host.last_used > self.idle_unload_s:
-                    host.unload()
+                if host.on_demand and now - host.last_used > self.idle_unload_s:
+                    host.unload(only_if_idle=True)
 
     def ready(self, model_id: str | None = None) -> tuple[bool, str]:
         """(ready, status) of one model, or overall: every model loaded at start-up is ready."""

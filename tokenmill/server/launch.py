@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sqlite3
 import threading
 import time
 from typing import Callable
@@ -104,12 +105,23 @@ def model_loader(metrics: Metrics, tenants: Tenants, responses: ResponseStore, l
     return load
 
 
+def open_ledger(config: EngineConfig) -> UsageLedger | None:
+    """The usage ledger, or None (logged) where it is off or its file cannot be written: serving goes on."""
+    if not config.usage_db:
+        return None
+    try:
+        return UsageLedger(config.usage_db, config.hourly_cost)
+    except (OSError, sqlite3.Error) as exc:
+        log.error("usage ledger off: cannot open %s (%s); set --usage-db to a writable path", config.usage_db, exc)
+        return None
+
+
 def build_state(config: EngineConfig, on_fatal: Callable[[ModelHost, BaseException], None]) -> ServerState:
     """The server's state: its models (one, or the [[models]] of the config, checked against the machine's memory
     first) and the services they share."""
     metrics, tenants = Metrics(), Tenants(config.keys)
     responses = ResponseStore(config.responses_store_max_count, config.responses_store_max_bytes)
-    ledger = UsageLedger(config.usage_db, config.hourly_cost) if config.usage_db else None
+    ledger = open_ledger(config)
     load = model_loader(metrics, tenants, responses, ledger)
     if not config.models:
         hosts = [ModelHost(None, (), config, load, metrics, on_fatal=on_fatal)]

@@ -13,6 +13,7 @@ or cut off before they finished), engine_seconds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import threading
@@ -51,17 +52,20 @@ class UsageLedger:
     def __init__(self, path: str | Path, hourly_cost: float | None = None, clock=time.time):
         self.path, self.hourly_cost, self.clock = Path(path).expanduser(), hourly_cost, clock
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as db:
+        with self._connect() as db, db:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute(_SCHEMA)
         self._pending: dict[tuple[int, str, str], Usage] = defaultdict(Usage)
-        self._lock = threading.Lock()  # guards _pending only; the database is the writer thread's
+        self._lock = threading.Lock()  # guards _pending
+        self._flush_lock = threading.Lock()  # one flush at a time: a reader's flush waits for the writer's
         self._stopped = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="tokenmill-ledger", daemon=True)
         self._writer.start()
 
-    def _connect(self) -> sqlite3.Connection:
-        return sqlite3.connect(self.path, timeout=30)
+    def _connect(self) -> contextlib.closing[sqlite3.Connection]:
+        """A connection of its own (closed when the block ends): the writer thread, readers and close() each
+        open one."""
+        return contextlib.closing(sqlite3.connect(self.path, timeout=30))
 
     def record(self, key: str | None, model: str, usage: Usage) -> None:
         """Called on the event loop: a dictionary update, no I/O."""
@@ -70,13 +74,17 @@ class UsageLedger:
             self._pending[(hour, key or "", model)].add(usage)
 
     def flush(self) -> None:
-        with self._lock:
-            batch, self._pending = self._pending, defaultdict(Usage)
-        if not batch:
-            return
+        """Write what was recorded so far (when this returns, it is in the database or kept for the next try)."""
+        with self._flush_lock:
+            with self._lock:
+                batch, self._pending = self._pending, defaultdict(Usage)
+            if batch:
+                self._write(batch)
+
+    def _write(self, batch: dict[tuple[int, str, str], Usage]) -> None:
         rows = [(*k, *(getattr(u, c) for c in COUNTS)) for k, u in batch.items()]
         try:
-            with self._connect() as db:
+            with self._connect() as db, db:  # the inner ``db`` commits the transaction
                 db.executemany(_UPSERT, rows)
         except sqlite3.Error as exc:  # the disk is full, say: keep the batch for the next try
             log.error("usage ledger: cannot write %s (%s); retrying", self.path, exc)

@@ -43,24 +43,24 @@ class _EngineCollector(Collector):
         engine = self.engine()
         if engine is None:  # not loaded (yet, or unloaded): no series until it is
             return
-        self.client, self.admission = engine
-        stats = self.client.stats
+        client, admission = engine
+        stats = client.stats
         for name, doc, value in (
             ("num_requests_running", "Requests in the running batch.", stats.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", stats.kv_cache_usage),
             ("admission_saturation", "Promised tokens / admission limit; at 1 new requests get 429.",
-             self.admission.saturation),
+             admission.saturation),
             ("model_weight_bytes", "Bytes of the model's weights as the engine holds them (quantized layers at "
-             "their format's size).", self.client.info.weight_bytes if self.client.info else 0),
+             "their format's size).", client.info.weight_bytes if client.info else 0),
             # Absent with --no-engine-process (the engine then shares process_resident_memory_bytes).
             *([("engine_process_resident_memory_bytes", "Resident memory of the engine process.",
-                stats.resident_memory_bytes)] if self.client.engine_in_own_process else []),
+                stats.resident_memory_bytes)] if client.engine_in_own_process else []),
         ):
             gauge = GaugeMetricFamily(P + name, doc, labels=["model_name"])
             gauge.add_metric([self.model], value)
             yield gauge
-        info = self.client.info
+        info = client.info
         if info is not None:  # the Gateway API Inference Extension's endpoint picker reads these two labels
             cache = GaugeMetricFamily(P + "cache_config_info", "The KV cache's layout (value 1): tokens per block and "
                                       "blocks in the pool.", labels=["model_name", "block_size", "num_gpu_blocks"])

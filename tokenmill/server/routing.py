@@ -3,9 +3,13 @@ entry (tokenmill/model_specs.py) whose rules read the request itself, with fallb
 model refuses for want of capacity (429 admission full, 503 loading or restarting: ``APIError.fallback``).
 
 A key's ``models`` may name a model by its name or any alias (either grants every id of it) or a route; a route it
-may use grants the models the route sends it to. Rules are read in order, the first that matches chooses; ``prompt_tokens_above`` counts the request's
-text (messages, prompt, input, system, instructions) with the route's default model's tokenizer, plus any token-id
-prompt's length.
+may use grants the models the route sends it to. Rules are read in order, the first that matches chooses;
+``prompt_tokens_above`` counts the request's text (messages, prompt, input, system, instructions) with the route's
+default model's tokenizer, plus any token-id prompt's length.
+
+Usage: a generation request refused by the model that answers it (its validation, admission, a key's rates) counts
+as a request and an error of that model in the ledger; one refused before it reaches a model (404, 503 while its
+model loads) does not.
 """
 
 from __future__ import annotations
@@ -69,17 +73,6 @@ def _matches(rule: RouteRule, shape: Shape, prompt_tokens: int | None) -> bool:
             and (rule.prompt_tokens_above is None or (prompt_tokens or 0) > rule.prompt_tokens_above))
 
 
-def _accounting_refusals(attempt: Callable[[ServerContext], Awaitable[T]], key_name: str | None
-                         ) -> Callable[[ServerContext], Awaitable[T]]:
-    async def accounted(ctx: ServerContext) -> T:
-        try:
-            return await attempt(ctx)
-        except APIError:
-            ctx.account(key_name, Usage(requests=1, errors=1))
-            raise
-    return accounted
-
-
 class Router:
     def __init__(self, fleet: Fleet, tenants: Tenants):
         self.fleet, self.tenants = fleet, tenants
@@ -98,8 +91,9 @@ class Router:
         is not serving)."""
         for name in (route.default, *route.targets):
             host = self.fleet.find(name)
-            if host is not None and host.ctx is not None and host.ctx.client.healthy:
-                return len(await host.ctx.client.encode(shape.text)) + shape.num_token_ids
+            ctx = host.ctx if host is not None else None  # read once: a failing engine's host drops it any time
+            if ctx is not None and ctx.client.healthy:
+                return len(await ctx.client.encode(shape.text)) + shape.num_token_ids
         return len(shape.text) // 4 + shape.num_token_ids  # nothing loaded to count with: ~4 characters a token
 
     async def choices(self, route: RouteSpec, shape: Shape) -> list[str]:
@@ -113,9 +107,8 @@ class Router:
                     generation: bool = False) -> T:
         """``attempt`` (validation, admission: up to the point a request is committed to a model) on the model
         ``body.model`` names, or on each of its route's choices in turn while they refuse with ``fallback``.
-        ``generation``: a refusal is usage too (a request, an error) of the model that refused."""
-        if generation:
-            attempt = _accounting_refusals(attempt, key_name)
+        ``generation``: the refusal that ends the request is usage too (a request, an error) of the model that
+        refused it last."""
         model_id = getattr(body, "model", None)
         route = self.fleet.routes.get(model_id) if model_id is not None else None
         if route is None:
@@ -124,19 +117,32 @@ class Router:
                 raise self._not_found(model_id)
             if host.name is not None:  # before a load: a key that may not use a model never loads it
                 self._check_key(key_name, model_id, host.ids)
-            ctx = await self.fleet.context(host)
-            if model_id is not None and model_id not in (ctx.model_name, *host.aliases):
-                raise self._not_found(model_id)  # a lone model, asked for by another name
-            self._check_key(key_name, model_id, (ctx.model_name, *host.aliases))
-            return await attempt(ctx)
+            async with self.fleet.hold(host) as ctx:
+                if model_id is not None and model_id not in (ctx.model_name, *host.aliases):
+                    raise self._not_found(model_id)  # a lone model, asked for by another name
+                self._check_key(key_name, model_id, (ctx.model_name, *host.aliases))
+                return await self._attempt(ctx, key_name, attempt, generation)
         self._check_key(key_name, route.name, (route.name,))
         names = await self.choices(route, shape_of(body))
         for i, name in enumerate(names):
+            last = i == len(names) - 1
             try:
-                return await attempt(await self.fleet.context(self.fleet.find(name)))
+                async with self.fleet.hold(self.fleet.find(name)) as ctx:
+                    return await self._attempt(ctx, key_name, attempt, generation, last)
             except APIError as exc:
-                if not exc.fallback or i == len(names) - 1:
+                if not exc.fallback or last:
                     raise
                 log.info("route %s: %s refused (%d %s); trying %s", route.name, name, exc.status, exc.message,
                          names[i + 1])
         raise AssertionError("unreachable: a route has at least one model")
+
+    @staticmethod
+    async def _attempt(ctx: ServerContext, key_name: str | None, attempt: Callable[[ServerContext], Awaitable[T]],
+                       generation: bool, last: bool = True) -> T:
+        """``attempt``; a generation request's refusal counts in its model's usage unless a fallback takes it."""
+        try:
+            return await attempt(ctx)
+        except APIError as exc:
+            if generation and (last or not exc.fallback):
+                ctx.account(key_name, Usage(requests=1, errors=1))
+            raise

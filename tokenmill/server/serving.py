@@ -89,8 +89,8 @@ def make_requests(ctx: ServerContext, prompts: list[list[int]], params: Sampling
         raise
     promise = sum(ctx.admission.kv_tokens(len(r.prompt_token_ids) + r.max_tokens) for r in requests)
     reservation = ctx.admission.reserve(promise, batch=priority == BATCH)
-    if reservation is None:
-        charge.settle(0)
+    if reservation is None:  # the server's capacity, not the key's: the key gets its request and tokens back
+        charge.refund()
         ctx.metrics.reject(ctx.model_name, "admission")
         raise APIError(429, "The server is at capacity (promised KV tokens); retry later.", "rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": str(ctx.admission.retry_after(promise))},

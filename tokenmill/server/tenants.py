@@ -64,16 +64,23 @@ def duration(seconds: float) -> str:
 
 @dataclass
 class Charge:
-    """One request's draw on its key's token bucket; ``settle`` gives back what the request did not use (once)."""
+    """One request's draw on its key's buckets; ``settle`` gives back the tokens the request did not use (once),
+    ``refund`` everything it took (a request the server refused for its own lack of capacity)."""
     bucket: TokenBucket | None
     tokens: int
     settled: bool = False
+    request_bucket: TokenBucket | None = None
 
     def settle(self, used_tokens: int) -> None:
         if not self.settled:
             self.settled = True
             if self.bucket is not None and used_tokens < self.tokens:
                 self.bucket.give_back(self.tokens - used_tokens)
+
+    def refund(self) -> None:
+        if not self.settled and self.request_bucket is not None:
+            self.request_bucket.give_back(1)
+        self.settle(0)
 
 
 NO_CHARGE = Charge(None, 0, settled=True)
@@ -111,10 +118,9 @@ class KeyLimits:
                            code="rate_limit_exceeded", headers={**self.headers(), "Retry-After": retry_after})
         if self.requests is not None:
             self.requests.take(1)
-        if self.tokens is None:
-            return NO_CHARGE
-        self.tokens.take(tokens)
-        return Charge(self.tokens, tokens)
+        if self.tokens is not None:
+            self.tokens.take(tokens)
+        return Charge(self.tokens, tokens if self.tokens is not None else 0, request_bucket=self.requests)
 
 
 class Tenants:

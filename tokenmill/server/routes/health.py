@@ -13,8 +13,8 @@ router = APIRouter(dependencies=[Depends(operator_key)])
 
 @router.get("/health")
 async def health(state: ServerState = Depends(server_state)) -> JSONResponse:
-    """Live: 503 once a model the server cannot go on without has failed (a lone model's engine, a model that
-    did not load at start-up); a model being restarted is reported, not fatal."""
+    """Live: 503 once a lone model has failed (to load, or its engine: the server is about to exit); with several
+    models, each one's state is listed and a model being restarted is not a failure of the server."""
     fleet = state.fleet
     failed = state.load_error is not None or (fleet.lone and state.ctx is not None and not state.ctx.client.healthy)
     body = {"status": "error" if failed else "ok"}

@@ -29,6 +29,8 @@ def _time(value: str | None, param: str) -> int | None:
         return None
     try:
         return int(float(value))
+    except OverflowError:
+        raise APIError(400, f"{param}: out of range: {value!r}", param=param) from None
     except ValueError:
         pass
     try:
