@@ -61,7 +61,6 @@ def test_a_failed_write_is_kept_for_the_next(tmp_path, monkeypatch):
 
 
 KEYS = """
-usage_db = "{db}"
 hourly_cost = 7.2
 [[keys]]
 name = "admin"
@@ -101,8 +100,9 @@ def _totals(server, key):
 
 def test_live_ledger_survives_a_kill(tmp_path):
     db = tmp_path / "usage.sqlite3"
-    (tmp_path / "keys.toml").write_text(KEYS.format(db=db))
-    server = start_server(tmp_path, "--config", str(tmp_path / "keys.toml"))
+    (tmp_path / "keys.toml").write_text(KEYS)
+    flags = ("--config", str(tmp_path / "keys.toml"), "--usage-db", str(db))  # the flag beats the tests' variable
+    server = start_server(tmp_path, *flags)
     prompts = ["Hello there", "Name three colors.", "What is 2 + 2?"]
     clients = {k: openai.OpenAI(base_url=server.base_url, api_key=f"sk-{k[-1]}", max_retries=0)
                for k in ("team-a", "team-b")}
@@ -158,7 +158,7 @@ def test_live_ledger_survives_a_kill(tmp_path):
     finally:
         stop_server(server)
 
-    restarted = start_server(tmp_path, "--config", str(tmp_path / "keys.toml"))
+    restarted = start_server(tmp_path, *flags)
     try:
         for key in clients:
             totals, _ = _totals(restarted, key)

@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 
 from tokenmill.kernels.attention_features import AttentionFeatures
+from tokenmill.kernels.dsa import dsa_attention
 from tokenmill.kernels.kv_write import write_kv
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kernels.mla import mla_attention
@@ -101,3 +102,16 @@ def _(q_nope, q_pe, latent, w_kv_b, layer, sm_scale, backend):
     heads, nope = q_nope.shape[1:]
     v_dim = w_kv_b.shape[0] // heads - nope
     return q_nope.new_empty(q_nope.shape[0], heads, v_dim)
+
+
+def dsa_attention_op(q_nope: torch.Tensor, q_pe: torch.Tensor, entry: torch.Tensor, q_index: torch.Tensor | None,
+                     index_weights: torch.Tensor | None, w_kv_b: torch.Tensor, layer: int, sm_scale: float, topk: int,
+                     rope_dim: int, backend: str, chosen: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek Sparse Attention (kernels/dsa.py): writes this step's cache entries [T, R + P + D] (latent and indexer
+    key), then selects (or takes ``chosen``) and attends. A plain call, not an op: the DSA models run eagerly."""
+    step = _step()
+    data, scales = step.data[layer], step.scales[layer]
+    write_kv(data, scales, entry.unsqueeze(1), step.meta.slot_mapping, backend=backend)
+    return dsa_attention(q_nope, q_pe, q_index, index_weights, data, scales, step.meta, w_kv_b, sm_scale, topk,
+                         rope_dim, chosen)

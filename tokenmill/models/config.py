@@ -16,7 +16,9 @@ from tokenmill.models.quant_methods import CHECKPOINT_METHODS, is_quantized_modu
 
 
 # What models/registry.py serves; a checkpoint naming several architectures is read as the first of these.
-KNOWN_ARCHITECTURES = (*GQA_FAMILIES, "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# DeepSeek Sparse Attention: V3's MLA with a lightning indexer per layer (models/layers/dsa.py).
+DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+KNOWN_ARCHITECTURES = (*GQA_FAMILIES, "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", *DSA_ARCHITECTURES)
 
 
 def tp_split(n: int, tp: int, what: str) -> int:
@@ -41,6 +43,18 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     interleaved_rope: bool  # V2 always rotates interleaved pairs; V3 configs say so (rope_interleave)
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek Sparse Attention: each query keeps the ``index_topk`` cached tokens its layer's indexer scores
+    highest. ``layer_types[i]``: "full" (layer i runs its own indexer and caches its key) or "shared" (GLM-5: it
+    reuses the selection of the last full layer before it)."""
+    index_topk: int
+    index_head_dim: int
+    index_n_heads: int
+    layer_types: tuple[str, ...]
+    interleaved_rope: bool  # GLM-5's indexer rotates interleaved pairs; DeepSeek-V3.2's the two halves
 
 
 @dataclass(frozen=True)
@@ -98,7 +112,7 @@ class Quantization:
 
 # quant_method values read from a checkpoint's config.json (fp8: DeepSeek-V3's 128x128 blocks).
 SUPPORTED_QUANT_METHODS = ("fp8", "gguf", *CHECKPOINT_METHODS)
-FP8_BLOCK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+FP8_BLOCK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", *DSA_ARCHITECTURES)
 
 
 def _quantization(hf: dict[str, Any], architecture: str) -> "Quantization | None":
@@ -135,6 +149,7 @@ class ModelConfig:
     # Every id that ends generation: config.json's, generation_config.json's and the tokenizer's EOS, in that order.
     eos_token_ids: tuple[int, ...] = ()
     mla: MLAConfig | None = None
+    dsa: DSAConfig | None = None  # MLA with a lightning indexer (DeepSeek-V3.2, GLM-5)
     moe: MoEConfig | None = None
     # fp8 block quantization (DeepSeek-V3's format): the (rows, cols) block of one weight scale; None = unquantized.
     fp8_weight_block: tuple[int, int] | None = None
@@ -159,9 +174,10 @@ class ModelConfig:
     def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int, tp: int = 1) -> KVCacheSpec:
         """One of ``tp`` tensor-parallel ranks' layout. MLA: one slot per token and layer holding the latent and the
         roped key, nothing per head (every rank holds it whole); GQA/MHA: K and V per local KV head."""
-        if self.mla:
-            return KVCacheSpec(self.num_layers, 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim, dtype,
-                               block_size)
+        if self.mla:  # DSA: the indexer's key beside the latent, one slot per token (the same block table)
+            index_dim = self.dsa.index_head_dim if self.dsa else 0
+            return KVCacheSpec(self.num_layers, 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim + index_dim,
+                               dtype, block_size)
         return KVCacheSpec.for_gqa(self.num_layers, self.local_kv_heads(tp), self.head_dim, dtype, block_size,
                                    self.style.layer_windows)
 
@@ -205,7 +221,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 has q/k/v biases without saying so in its config.
             attention_bias=bool(hf.get("attention_bias", False)) or architecture == "Qwen2ForCausalLM",
-            rope=rope_parameters(hf)[0], eos_token_ids=tuple(dict.fromkeys(eos)), mla=mla,
+            rope=rope_parameters(hf)[0], eos_token_ids=tuple(dict.fromkeys(eos)), mla=mla, dsa=_dsa(hf, architecture),
             moe=_moe(hf, architecture),
             fp8_weight_block=tuple(quant.get("weight_block_size") or (128, 128))
             if quant.get("quant_method") == "fp8" else None,
@@ -221,13 +237,28 @@ def _mla(hf: dict[str, Any], architecture: str) -> MLAConfig | None:
                      v_head_dim=hf["v_head_dim"], interleaved_rope=bool(hf.get("rope_interleave", True)))
 
 
+def _dsa(hf: dict[str, Any], architecture: str) -> DSAConfig | None:
+    if architecture not in DSA_ARCHITECTURES:
+        return None
+    layers = hf["num_hidden_layers"]
+    types = hf.get("indexer_types") or ["full"] * layers
+    if len(types) != layers or set(types) - {"full", "shared"} or types[0] != "full":
+        raise ValueError(f"indexer_types must give 'full' or 'shared' for each of the {layers} layers, the first "
+                         f"'full': {types}")
+    if not hf.get("q_lora_rank"):
+        raise ValueError("a DSA indexer reads the query's low-rank latent: q_lora_rank is required")
+    return DSAConfig(index_topk=hf.get("index_topk", 2048), index_head_dim=hf.get("index_head_dim", 128),
+                     index_n_heads=hf.get("index_n_heads", 64), layer_types=tuple(types),
+                     interleaved_rope=architecture == "GlmMoeDsaForCausalLM")
+
+
 def _moe(hf: dict[str, Any], architecture: str) -> MoEConfig | None:
     if architecture in ("Qwen3MoeForCausalLM", "GptOssForCausalLM"):
         return _softmax_moe(hf, architecture)
     if not hf.get("n_routed_experts"):
         return None
     # Released configs name both; transformers 5 drops them for V3 and GLM-4.5, whose routers are sigmoid + noaux_tc.
-    sigmoid = architecture in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+    sigmoid = architecture in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", *DSA_ARCHITECTURES)
     scoring = hf.get("scoring_func") or ("sigmoid" if sigmoid else "softmax")
     method = hf.get("topk_method") or ("noaux_tc" if scoring == "sigmoid" else "greedy")
     return MoEConfig(num_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"],

@@ -1,4 +1,5 @@
-"""DeepSeek-V2/V3 family: MLA attention over a latent-only paged cache, MoE FFN after the first dense layers.
+"""DeepSeek-V2/V3 family: MLA attention over a latent-only paged cache, MoE FFN after the first dense layers;
+DeepSeek-V3.2 and GLM-5 add DeepSeek Sparse Attention (models/layers/dsa.py) to the decoder layers.
 
 Tensor parallel over ``tp.size`` ranks: attention heads split (q_b/q_proj and kv_b rows, o_proj columns) while the
 latent path (q_a, kv_a and their norms) is replicated, so every rank computes and caches the whole latent -- each of
@@ -24,6 +25,7 @@ from tokenmill.kvcache.spec import KVCacheDtype, KVCacheSpec
 from tokenmill.models.base import DecoderLM
 from tokenmill.models.config import ModelConfig, tp_split
 from tokenmill.models.deepseek_weights import DeepseekWeights
+from tokenmill.models.layers.dsa import DSAttention, Selection
 from tokenmill.models.layers.mla import MLAttention
 from tokenmill.models.layers.mlp import SwiGLU
 from tokenmill.models.layers.moe import MoE
@@ -37,11 +39,12 @@ _FP32_PARAMS = ("gate_weight", "e_score_correction_bias", "w_gate_up_scale", "w_
 
 class DeepseekLayer(nn.Module):
     def __init__(self, c: ModelConfig, index: int, rotary: RotaryEmbedding, fp8_block: tuple[int, int] | None,
-                 tp: TensorParallel):
+                 tp: TensorParallel, selection: Selection | None = None):
         super().__init__()
         self.tp = tp
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = MLAttention(c, rotary, index, tp)
+        self.self_attn = DSAttention(c, rotary, index, selection, tp) if c.dsa and index < c.num_layers else \
+            MLAttention(c, rotary, index, tp)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         moe = c.moe is not None and c.moe.is_moe_layer(index)
         self.mlp = MoE(c.hidden_size, c.moe, fp8_block, tp) if moe else \
@@ -95,7 +98,9 @@ class DeepseekForCausalLM(DeepseekWeights, DecoderLM):
         fp8_block = self.weight_block if self.fp8_experts else None
         self.rotary = RotaryEmbedding(c.mla.qk_rope_head_dim, c.max_position, c.rope)
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp)
-        self.layers = nn.ModuleList(DeepseekLayer(c, i, self.rotary, fp8_block, tp) for i in range(c.num_layers))
+        selection = Selection() if c.dsa else None  # DSA: one layer's token selection, read by the shared layers
+        self.layers = nn.ModuleList(DeepseekLayer(c, i, self.rotary, fp8_block, tp, selection)
+                                    for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, vocab_rows_per_rank(c.vocab_size, tp), bias=False)
         if mtp and not c.num_mtp_layers:

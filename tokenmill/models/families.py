@@ -67,6 +67,8 @@ TEMPLATE_STOP_TOKENS: dict[str, tuple[str, ...]] = {
     "Gemma3ForCausalLM": ("<end_of_turn>", "<eos>"),
     "Gemma3ForConditionalGeneration": ("<end_of_turn>", "<eos>"),
     "DeepseekV3ForCausalLM": ("<｜end▁of▁sentence｜>", "<|im_end|>"),  # DeepSeek-V3; Kimi-K2's template
+    "DeepseekV32ForCausalLM": ("<｜end▁of▁sentence｜>",),
+    "GlmMoeDsaForCausalLM": ("<|endoftext|>", "<|user|>", "<|observation|>"),  # GLM-5, GLM-4.5's template tokens
 }
 
 

@@ -13,6 +13,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     **{architecture: LlamaForCausalLM for architecture in GQA_FAMILIES},
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekForCausalLM,  # + DeepSeek Sparse Attention (models/layers/dsa.py)
+    "GlmMoeDsaForCausalLM": DeepseekForCausalLM,
 }
 
 
