@@ -38,7 +38,8 @@ def _transformers_model(name: str):
         c["layer_types"] = c["layer_types"][:4]
     model_type = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                   "Glm4MoeForCausalLM": "glm4_moe", "GptOssForCausalLM": "gpt_oss", "Gemma3ForCausalLM": "gemma3_text",
-                  "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}[arch]
+                  "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+                  "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}[arch]
     with torch.device("meta"):
         model = getattr(transformers, arch)(transformers.AutoConfig.for_model(model_type, **c))
     return {**c, "architectures": [arch]}, model

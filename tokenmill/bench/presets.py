@@ -70,6 +70,17 @@ PRESETS: dict[str, dict[str, Any]] = {
                          "first_k_dense_replace": 1, "moe_layer_freq": 1, "tie_word_embeddings": False},
     "deepseek-v3": {**_DEEPSEEK_V3, "vocab_size": 129280, "num_attention_heads": 128, "n_routed_experts": 256,
                     "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4},
+    # DeepSeek Sparse Attention: V3's shapes plus an indexer key (128 features) per token and layer.
+    "deepseek-v3.2": {**_DEEPSEEK_V3, "architectures": ["DeepseekV32ForCausalLM"], "vocab_size": 129280,
+                      "num_attention_heads": 128, "n_routed_experts": 256, "first_k_dense_replace": 3, "n_group": 8,
+                      "topk_group": 4, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64},
+    "glm-5": {"architectures": ["GlmMoeDsaForCausalLM"], "vocab_size": 154880, "hidden_size": 6144,
+              "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_hidden_layers": 78,
+              "num_attention_heads": 64, "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
+              "qk_rope_head_dim": 64, "v_head_dim": 256, "n_routed_experts": 256, "n_shared_experts": 1,
+              "num_experts_per_tok": 8, "first_k_dense_replace": 3, "n_group": 1, "topk_group": 1,
+              "routed_scaling_factor": 2.5, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
+              "max_position_embeddings": 202752, "tie_word_embeddings": False},
     # Kimi-K2: DeepSeek-V3's architecture with 384 experts, one expert group, 64 heads.
     "kimi-k2": {**_DEEPSEEK_V3, "vocab_size": 163840, "num_attention_heads": 64, "n_routed_experts": 384,
                 "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827},

@@ -241,7 +241,12 @@ def _dsa(hf: dict[str, Any], architecture: str) -> DSAConfig | None:
     if architecture not in DSA_ARCHITECTURES:
         return None
     layers = hf["num_hidden_layers"]
-    types = hf.get("indexer_types") or ["full"] * layers
+    types = hf.get("indexer_types")
+    if types is None and (pattern := hf.get("index_topk_pattern")) is not None:  # GLM-5's "FSS..." form
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+    if types is None:  # every index_topk_freq-th layer from index_skip_topk_offset runs its own indexer
+        freq, offset = max(hf.get("index_topk_freq", 1), 1), hf.get("index_skip_topk_offset", 2)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
     if len(types) != layers or set(types) - {"full", "shared"} or types[0] != "full":
         raise ValueError(f"indexer_types must give 'full' or 'shared' for each of the {layers} layers, the first "
                          f"'full': {types}")
