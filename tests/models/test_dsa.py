@@ -147,8 +147,11 @@ def test_ties_keep_the_earliest_of_equal_scores_only_up_to_topk():
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_served_under_tensor_parallel_2(tmp_path, smollm_llm, family):
-    """/v1/completions on two ranks (heads and experts split, the indexer whole on each) with chunked prefill: the
-    greedy tokens of transformers."""
+    """/v1/completions on two ranks (heads and experts split, the indexer whole on each) with chunked prefill (8-token
+    steps), prefix caching (a 16-token block shared with an earlier request) and preemption (a 64-token pool for four
+    requests of up to 40): the greedy tokens of transformers."""
+    import re
+
     import httpx
 
     from tests.live_server import start_server, stop_server
@@ -156,15 +159,25 @@ def test_served_under_tensor_parallel_2(tmp_path, smollm_llm, family):
     hf = make_dsa_checkpoint(tmp_path / "model", smollm_llm, family)
     server = start_server(tmp_path, str(tmp_path / "model"), "--tensor-parallel-size", "2", "--num-threads", "1",
                           "--dtype", "float32", "--kv-cache-dtype", "fp32", "--max-num-batched-tokens", "8",
-                          "--max-model-len", "256", "--kv-cache-memory", "8MiB")
+                          "--max-model-len", "48", "--kv-cache-memory", str(64 * 3 * (16 + 8 + 16) * 4),
+                          "--admission-overcommit", "10")
     try:
         torch.manual_seed(2)
-        prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (4, 19)]
-        body = {"model": "model", "prompt": prompts, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
-                "skip_special_tokens": False}
-        answer = httpx.post(server.base_url + "/completions", json=body, timeout=120).json()
-        got = [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
-        assert got == [smollm_llm.tokenizer.hf.decode(hf_greedy(hf, p, 10)) for p in prompts], answer
+        shared = torch.randint(0, 1000, (16,)).tolist()
+        prompts = [shared + torch.randint(0, 1000, (n,)).tolist() for n in (3, 9, 14)] + [[5, 7, 11]]
+
+        def complete(batch):
+            body = {"model": "model", "prompt": batch, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                    "skip_special_tokens": False}
+            answer = httpx.post(server.base_url + "/completions", json=body, timeout=120).json()
+            return [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
+        expected = [smollm_llm.tokenizer.hf.decode(hf_greedy(hf, p, 10)) for p in prompts]
+        assert complete(prompts[:1]) == expected[:1]
+        assert complete(prompts) == expected
+        metrics = server.metrics_text()
+        hits = float(re.search(r"tokenmill:prefix_cache_hits_total\{[^}]*\} (\S+)", metrics).group(1))
+        preemptions = float(re.search(r"tokenmill:num_preemptions_total\{[^}]*\} (\S+)", metrics).group(1))
+        assert hits >= 16 and preemptions >= 1, (hits, preemptions)
     finally:
         stop_server(server)
 

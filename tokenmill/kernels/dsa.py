@@ -27,14 +27,16 @@ from tokenmill.kernels.paged_attention import token_slots
 ROWS = 64
 
 
-def _request_entries(data: torch.Tensor, scales: torch.Tensor | None, meta: AttentionMetadata, i: int,
-                     length: int) -> torch.Tensor:
-    """Request i's first ``length`` cache entries [length, R + P + D], float32."""
-    lens = torch.tensor([length], device=data.device)
-    null_slot = (data.shape[0] - 1) * meta.block_size
-    slots = token_slots(meta.block_tables[i:i + 1], lens, length, meta.block_size, null_slot)[0]
-    return dequantize(data.view(-1, data.shape[-1])[slots], None if scales is None else scales.view(-1)[slots],
-                      torch.float32)
+def _request_slots(meta: AttentionMetadata, i: int, length: int, null_slot: int) -> torch.Tensor:
+    """Request i's flat cache slots of positions 0 .. length - 1 [length]."""
+    lens = torch.tensor([length], device=meta.block_tables.device)
+    return token_slots(meta.block_tables[i:i + 1], lens, length, meta.block_size, null_slot)[0]
+
+
+def _read(data: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, features: slice) -> torch.Tensor:
+    """The cache's ``features`` of each entry at flat ``slots`` [...], float32 [..., F]."""
+    flat = data.view(-1, data.shape[-1])
+    return dequantize(flat[slots, features], None if scales is None else scales.view(-1)[slots], torch.float32)
 
 
 def index_topk_reference(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
@@ -49,16 +51,16 @@ def index_topk_reference(q_index: torch.Tensor, weights: torch.Tensor, k_index: 
     return torch.where(chosen <= positions[:, None], chosen, -1)
 
 
-def sparse_mla_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, chosen: torch.Tensor,
+def sparse_mla_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, read_latents, chosen: torch.Tensor,
                          sm_scale: float) -> torch.Tensor:
-    """One request: q_lat [Q, H, R], q_pe [Q, H, P], its latents [L, R + P], the selection [Q, K] (-1: none) ->
-    o_lat [Q, H, R] float32."""
+    """One request: q_lat [Q, H, R], q_pe [Q, H, P], ``read_latents(positions [q, K]) -> [q, K, R + P]`` (float32),
+    the selection [Q, K] (-1: none) -> o_lat [Q, H, R] float32. Reads only the selected latents."""
     rank = q_lat.shape[-1]
     out = torch.empty(q_lat.shape, dtype=torch.float32, device=q_lat.device)
     for start in range(0, q_lat.shape[0], ROWS):
         rows = slice(start, start + ROWS)
         picked = chosen[rows]
-        gathered = latents[picked.clamp(min=0)]  # [q, K, R + P]
+        gathered = read_latents(picked.clamp(min=0))  # [q, K, R + P]
         c_kv, k_pe = gathered[..., :rank], gathered[..., rank:]
         scores = (torch.einsum("qhr,qkr->qhk", q_lat[rows].float(), c_kv)
                   + torch.einsum("qhp,qkp->qhk", q_pe[rows].float(), k_pe)) * sm_scale
@@ -79,20 +81,24 @@ def dsa_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, q_index: torch.Tenso
     rank = w_kv_b.shape[1]
     w = w_kv_b.view(heads, -1, rank)
     w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, N, R], [H, V, R]
-    q_lat = torch.einsum("thn,hnr->thr", q_nope.float(), w_uk.float())
+    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # W_UK absorbed, in the model's dtype as MLA's decode
     out = torch.empty(tokens, heads, w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
     selection = torch.full((tokens, topk), -1, dtype=torch.long, device=q_nope.device) if chosen is None else chosen
+    null_slot = (data.shape[0] - 1) * meta.block_size
+    latent_part, index_part = slice(0, rank + rope_dim), slice(rank + rope_dim, None)
     for i in range(len(meta.seq_lens)):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         if start == end:
             continue
         length = meta.seq_lens[i]
-        entries = _request_entries(data, scales, meta, i, length)
-        latents, k_index = entries[:, :rank + rope_dim], entries[:, rank + rope_dim:]
-        if chosen is None:
+        slots = _request_slots(meta, i, length, null_slot)
+        if chosen is None:  # the indexer reads every earlier key; the attention only the selected latents
             positions = torch.arange(length - (end - start), length, device=q_nope.device)
-            picked = index_topk_reference(q_index[start:end], index_weights[start:end], k_index, positions, topk)
+            picked = index_topk_reference(q_index[start:end], index_weights[start:end],
+                                          _read(data, scales, slots, index_part), positions, topk)
             selection[start:end, :picked.shape[1]] = picked
-        o_lat = sparse_mla_reference(q_lat[start:end], q_pe[start:end], latents, selection[start:end], sm_scale)
-        out[start:end] = torch.einsum("thr,hvr->thv", o_lat, w_uv.float()).to(out.dtype)
+        o_lat = sparse_mla_reference(q_lat[start:end], q_pe[start:end],
+                                     lambda picked: _read(data, scales, slots[picked], latent_part),
+                                     selection[start:end], sm_scale)
+        out[start:end] = torch.einsum("thr,hvr->thv", o_lat.to(out.dtype), w_uv)
     return out, selection
