@@ -5,9 +5,8 @@ layer at DeepSeek-V3.2's shapes (128 heads, kv_lora_rank 512, rope 64, v 128; in
 Times the attention op alone (queries and cache given, W_UK absorbed and W_UV applied in both): dense =
 kernels/mla.py's ``mla_attention`` (its decode path); sparse = kernels/dsa.py's ``dsa_attention``: the indexer's
 selection over every earlier key plus the attention over the selected latents; and the indexer of one request
-alone. On a CPU the PyTorch references run; ``--backend triton`` runs whatever Triton kernels the backend has (the
-DSA references until its kernels exist). Best of ``--repeats`` after one warm-up; one JSON object per line and a
-summary to ``--out``.
+alone. On a CPU the PyTorch references run; ``--backend triton`` (on a GPU) runs the Triton kernels of both. Best
+of ``--repeats`` after one warm-up; one JSON object per line and a summary to ``--out``.
 
     python benchmarks/dsa_decode.py --contexts 1024,4096,16384,65536 --batches 1,16 --out benchmarks/results/dsa-decode-cpu.json
 """
@@ -61,8 +60,8 @@ def case(batch: int, context: int, repeats: int, backend: str, device: str) -> d
     dense_data = data[..., :RANK + ROPE].contiguous()  # a dense MLA cache holds no indexer key
     dense = best(lambda: mla_attention(q_nope, q_pe, None, dense_data, None, meta, w_kv_b, scale, backend=backend),
                  repeats)
-    sparse = best(lambda: dsa_attention(q_nope, q_pe, q_index, weights, data, None, meta, w_kv_b, scale, TOPK, ROPE),
-                  repeats)
+    sparse = best(lambda: dsa_attention(q_nope, q_pe, q_index, weights, data, None, meta, w_kv_b, scale, TOPK, ROPE,
+                                        backend=backend), repeats)
     keys = data.view(-1, data.shape[-1])[:, RANK + ROPE:]
     slots = (tables[0, torch.arange(context, device=device) // BLOCK] * BLOCK
              + torch.arange(context, device=device) % BLOCK)

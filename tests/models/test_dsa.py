@@ -72,6 +72,23 @@ def test_logits_match_transformers(tiny, chunk):
         torch.testing.assert_close(dense[:DSA["index_topk"]], ref[:DSA["index_topk"]], atol=2e-4, rtol=1e-4)
 
 
+def test_greedy_on_the_triton_kernels(tiny, monkeypatch):
+    """kernel_backend triton (Triton's interpreter on a CPU): the indexer's scores and the sparse MLA kernel run,
+    with transformers' greedy tokens."""
+    import tokenmill.kernels.triton.dsa as triton_dsa
+
+    _, path, hf, _ = tiny
+    calls = []
+    real = triton_dsa.index_scores_triton
+    monkeypatch.setattr(triton_dsa, "index_scores_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (3, 17)]
+    llm = LLM(model=str(path), dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="8MiB",
+              max_num_batched_tokens=8, kernel_backend="triton")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert [r.token_ids for r in llm.generate(prompts, params)] == [hf_greedy(hf, p, 6) for p in prompts]
+    assert calls
+
+
 def test_short_prompts_equal_dense_mla(tiny):
     """Up to index_topk tokens every token is selected: transformers' DeepSeek-V3 (dense MLA) on the same weights."""
     import transformers

@@ -114,4 +114,4 @@ def dsa_attention_op(q_nope: torch.Tensor, q_pe: torch.Tensor, entry: torch.Tens
     data, scales = step.data[layer], step.scales[layer]
     write_kv(data, scales, entry.unsqueeze(1), step.meta.slot_mapping, backend=backend)
     return dsa_attention(q_nope, q_pe, q_index, index_weights, data, scales, step.meta, w_kv_b, sm_scale, topk,
-                         rope_dim, chosen)
+                         rope_dim, chosen, backend)

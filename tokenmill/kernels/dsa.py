@@ -1,5 +1,6 @@
 """DeepSeek Sparse Attention over the paged latent cache: the lightning indexer's top-k selection and MLA attention
-over only the selected tokens (DeepSeek-V3.2, GLM-5). PyTorch references: they serve both models on a CPU.
+over only the selected tokens (DeepSeek-V3.2, GLM-5). PyTorch references (they serve both models on a CPU) and the
+dispatch to the Triton path (kernels/triton/dsa.py) for ``backend="triton"``.
 
 Cache: one slot per token, ``data[num_blocks + 1, block_size, 1, R + P + D]`` = [c_kv (R) | k_pe (P) | k_index (D,
 the indexer's normalized, roped key)], MLA's slot (kernels/mla.py) with the indexer key beside it, so that the
@@ -69,10 +70,21 @@ def sparse_mla_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, read_latents, 
     return out
 
 
+def _rows(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row's request and position in it ([T] each)."""
+    requests, positions = [], []
+    for i, length in enumerate(meta.seq_lens):
+        count = meta.query_start_loc[i + 1] - meta.query_start_loc[i]
+        requests += [i] * count
+        positions += range(length - count, length)
+    return (torch.tensor(requests, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.int32, device=device))
+
+
 def dsa_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, q_index: torch.Tensor | None,
                   index_weights: torch.Tensor | None, data: torch.Tensor, scales: torch.Tensor | None,
                   meta: AttentionMetadata, w_kv_b: torch.Tensor, sm_scale: float, topk: int, rope_dim: int,
-                  chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  chosen: torch.Tensor | None = None, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """The flattened batch's sparse MLA: q_nope [T, H, N], q_pe [T, H, P] (roped), the indexer's queries
     q_index [T, Hi, D] and weights [T, Hi] (a layer that runs its own indexer) or ``chosen`` [T, topk] (a layer that
     shares an earlier layer's selection), this step's entries already written to the cache -> (out [T, H, V] in q's
@@ -82,6 +94,14 @@ def dsa_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, q_index: torch.Tenso
     w = w_kv_b.view(heads, -1, rank)
     w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, N, R], [H, V, R]
     q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # W_UK absorbed, in the model's dtype as MLA's decode
+    if backend == "triton":
+        from tokenmill.kernels.triton.dsa import dsa_attention_triton
+
+        requests, positions = _rows(meta, q_nope.device)
+        o_lat, selection = dsa_attention_triton(q_lat, q_pe, q_index, index_weights, data, scales,
+                                                meta.block_tables[requests], positions, meta.block_size, sm_scale,
+                                                topk, rank, rope_dim, chosen)
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv), selection
     out = torch.empty(tokens, heads, w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
     selection = torch.full((tokens, topk), -1, dtype=torch.long, device=q_nope.device) if chosen is None else chosen
     null_slot = (data.shape[0] - 1) * meta.block_size

@@ -24,11 +24,13 @@ from tokenmill.kernels.triton.split_kv import (decode_num_splits, merge_splits, 
 
 @triton.jit
 def _mla_decode_split_kernel(
-        q_lat_ptr, q_pe_ptr, data_ptr, scale_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, sm_scale,
-        stride_lb, stride_lh, stride_pb, stride_ph, stride_bt,
-        HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        q_lat_ptr, q_pe_ptr, data_ptr, scale_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, idx_ptr, sm_scale,
+        stride_lb, stride_lh, stride_pb, stride_ph, stride_bt, stride_idx,
+        HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, SLOT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-        BLOCK_P: tl.constexpr, FP8: tl.constexpr, F32: tl.constexpr):
+        BLOCK_P: tl.constexpr, FP8: tl.constexpr, F32: tl.constexpr, SPARSE: tl.constexpr):
+    """Row b attends to its positions 0 .. lens[b] - 1, or (SPARSE) to the positions idx[b, 0 .. lens[b] - 1]
+    (DeepSeek Sparse Attention's selection, kernels/dsa.py). A cache entry is SLOT wide: [c_kv | k_pe | ...]."""
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -51,8 +53,11 @@ def _mla_decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < end
+        if SPARSE:
+            pos = tl.load(idx_ptr + b * stride_idx + pos, mask=valid, other=-1)
+            valid = valid & (pos >= 0)
         slot = paged_slots(bt_ptr + b * stride_bt, pos, valid, BLOCK_SIZE)
-        entry = data_ptr + slot[:, None] * (RANK + ROPE)
+        entry = data_ptr + slot[:, None] * SLOT
         c = tl.load(entry + offs_r[None, :], mask=valid[:, None] & r_mask[None, :], other=0.0).to(q_lat.dtype)
         k_pe = tl.load(entry + RANK + offs_p[None, :], mask=valid[:, None] & p_mask[None, :],
                        other=0.0).to(q_pe.dtype)
@@ -73,11 +78,15 @@ def _mla_decode_split_kernel(
 
 def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sm_scale: float,
-                      num_splits: int | None = None, max_len: int | None = None) -> torch.Tensor:
+                      num_splits: int | None = None, max_len: int | None = None,
+                      indices: torch.Tensor | None = None) -> torch.Tensor:
+    """``indices`` [B, K] (sparse attention): row b reads only positions indices[b, :seq_lens[b]], which must be
+    valid (>= 0, the selection's -1 padding after them); data's entries may then be wider than R + P."""
     batch, heads, rank = q_lat.shape
     rope = q_pe.shape[-1]
-    assert data.shape[-2:] == (1, rank + rope) and data.is_contiguous()
-    assert q_lat.stride(-1) == q_pe.stride(-1) == 1
+    slot = data.shape[-1]
+    assert data.shape[-2] == 1 and (slot == rank + rope or indices is not None and slot > rank + rope)
+    assert data.is_contiguous() and q_lat.stride(-1) == q_pe.stride(-1) == 1
     block_h = 16
     head_groups = triton.cdiv(heads, block_h)
     splits = num_splits
@@ -87,11 +96,13 @@ def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, data: torch.Tenso
     o_part = torch.empty(batch, heads, splits, rank, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q_lat.device)
     _mla_decode_split_kernel[(batch, head_groups, splits)](
-        q_lat, q_pe, data, scales if scales is not None else data, block_tables, seq_lens, o_part, lse, sm_scale,
+        q_lat, q_pe, data, scales if scales is not None else data, block_tables, seq_lens, o_part, lse,
+        indices if indices is not None else seq_lens, sm_scale,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0),
-        HEADS=heads, RANK=rank, ROPE=rope, BLOCK_SIZE=block_size, NUM_SPLITS=splits, BLOCK_H=block_h,
+        indices.stride(0) if indices is not None else 0,
+        HEADS=heads, RANK=rank, ROPE=rope, SLOT=slot, BLOCK_SIZE=block_size, NUM_SPLITS=splits, BLOCK_H=block_h,
         BLOCK_N=16 if rank > 256 else 32, BLOCK_R=max(16, next_pow2(rank)), BLOCK_P=max(16, next_pow2(rope)),
-        FP8=scales is not None, F32=interpreting(_mla_decode_split_kernel))
+        FP8=scales is not None, F32=interpreting(_mla_decode_split_kernel), SPARSE=indices is not None)
     out = torch.empty_like(q_lat)
     merge_splits(o_part, lse, out)
     return out
