@@ -5,7 +5,8 @@
 #      tiny DeepSeek-V3 on the Triton kernels equal the CPU reference path's (fp32), CUDA-graph decode equal to eager,
 #      and decode tokens/s with and without graphs;
 #   3. benchmarks/kernels.py: GB/s, TFLOP/s and % of peak for the KV write, paged attention, MLA decode and fused MoE
-#      at SmolLM2 and DeepSeek-V3 shapes, batch 1-256.
+#      at SmolLM2 and DeepSeek-V3 shapes, batch 1-256;
+#   4. benchmarks/dsa_decode.py: DeepSeek Sparse Attention's decode against dense MLA, 1k-64k tokens of context.
 # Before it, here: `bash benchmarks/gpu_wheels.sh` (what the GPU machine lacks). Then, through the device tool:
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".gpu"], timeout_s=540)
 # Everything lands in $OUT (the device tool's folder; benchmarks/results/gpu elsewhere). Exit 1 if a step failed.
@@ -31,4 +32,8 @@ cat "$OUT/kernel-tests.txt" | tail -5
 timeout 180 python3 benchmarks/gpu_engine_check.py --out "$OUT/engine.json" "${TOKENIZER[@]}" || status=1
 timeout 120 python3 benchmarks/kernels.py --json "$OUT/kernels.json" --reps 5 > "$OUT/kernels.txt" 2>&1 || status=1
 tail -5 "$OUT/kernels.txt"
+# 4. DeepSeek Sparse Attention against dense MLA on the Triton kernels (issue 27): decode ms per token by context.
+timeout 90 python3 benchmarks/dsa_decode.py --backend triton --contexts 1024,4096,16384,65536 --batches 1,16 \
+    --out "$OUT/dsa-decode.json" > "$OUT/dsa-decode.txt" 2>&1 || status=1
+tail -3 "$OUT/dsa-decode.txt"
 exit $status
