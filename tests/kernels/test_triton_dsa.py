@@ -78,3 +78,23 @@ def test_a_shared_layer_reads_the_given_selection():
     got, same = dsa_attention(*args, backend="triton")
     assert same is chosen
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_ties_select_valid_tokens_and_attend_to_them():
+    """Every indexer score equal (zero weights): any min(topk, position + 1) earlier tokens, none twice, none in the
+    future, the -1 padding at the end; the attention over that selection equals the reference's over the same."""
+    q_nope, q_pe, q_index, weights, data, scales, meta, w_kv_b = batch("fp32", torch.float32, *zip(*LENS), seed=5)
+    weights = torch.zeros_like(weights)
+    got, chosen = dsa_attention(q_nope, q_pe, q_index, weights, data, scales, meta, w_kv_b, 0.2, TOPK, ROPE,
+                                backend="triton")
+    row = 0
+    for i, length in enumerate(meta.seq_lens):
+        count = meta.query_start_loc[i + 1] - meta.query_start_loc[i]
+        for position in range(length - count, length):
+            picked = chosen[row].tolist()
+            valid = [j for j in picked if j >= 0]
+            assert len(valid) == len(set(valid)) == min(TOPK, position + 1) and max(valid) <= position
+            assert picked[len(valid):] == [-1] * (TOPK - len(valid))
+            row += 1
+    want, _ = dsa_attention(q_nope, q_pe, None, None, data, scales, meta, w_kv_b, 0.2, TOPK, ROPE, chosen)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

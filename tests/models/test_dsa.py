@@ -89,6 +89,41 @@ def test_greedy_on_the_triton_kernels(tiny, monkeypatch):
     assert calls
 
 
+def test_mtp_drafts_leave_the_greedy_tokens_unchanged(tmp_path, smollm_llm):
+    """DeepSeek-V3.2 with its multi-token-prediction layer as released checkpoints store it (a decoder layer with its
+    own indexer, after the last one): drafting with it changes no greedy token."""
+    import transformers
+    from safetensors.torch import save_file
+
+    hf = make_dsa_checkpoint(tmp_path, smollm_llm, "DeepseekV32")
+    c, layers = hf.config, hf.config.num_hidden_layers
+    torch.manual_seed(1)
+    donor = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(
+        **{**c.to_dict(), "num_hidden_layers": layers + 1, "mlp_layer_types": None, "layer_types": None}))
+    layer = donor.model.layers[layers]
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.08)
+    mtp = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+    assert any(".indexer." in k for k in mtp)
+    h = c.hidden_size
+    mtp.update({"enorm.weight": torch.ones(h), "hnorm.weight": torch.ones(h), "shared_head.norm.weight": torch.ones(h),
+                "eh_proj.weight": 0.08 * torch.randn(h, 2 * h),
+                "embed_tokens.weight": hf.model.embed_tokens.weight.detach().clone(),
+                "shared_head.head.weight": hf.lm_head.weight.detach().clone()})
+    save_file({f"model.layers.{layers}.{k}": v.contiguous() for k, v in mtp.items()},
+              str(tmp_path / "model-mtp.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="8MiB",
+              max_num_batched_tokens=8, speculative_method="mtp", num_speculative_tokens=2)
+    prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (5, 17)]
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == [hf_greedy(hf, p, GREEDY.max_tokens)
+                                                                    for p in prompts]
+    assert llm.engine.stats().spec_num_draft_tokens_total > 0
+
+
 def test_short_prompts_equal_dense_mla(tiny):
     """Up to index_topk tokens every token is selected: transformers' DeepSeek-V3 (dense MLA) on the same weights."""
     import transformers

@@ -43,7 +43,7 @@ class DeepseekLayer(nn.Module):
         super().__init__()
         self.tp = tp
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = DSAttention(c, rotary, index, selection, tp) if c.dsa and index < c.num_layers else \
+        self.self_attn = DSAttention(c, rotary, index, selection or Selection(), tp) if c.dsa else \
             MLAttention(c, rotary, index, tp)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         moe = c.moe is not None and c.moe.is_moe_layer(index)

@@ -64,7 +64,9 @@ class DSAttention(MLAttention):
         super().__init__(config, rotary, layer_index, tp)
         d = config.dsa
         self.topk, self.selection, self.index_dim = d.index_topk, selection, d.index_head_dim
-        self.indexer = Indexer(config, rotary) if d.layer_types[layer_index] == "full" else None
+        # The MTP module's layer (after the decoder layers) runs an indexer of its own, as released checkpoints have.
+        full = layer_index >= len(d.layer_types) or d.layer_types[layer_index] == "full"
+        self.indexer = Indexer(config, rotary) if full else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
