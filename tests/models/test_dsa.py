@@ -124,6 +124,25 @@ def test_mtp_drafts_leave_the_greedy_tokens_unchanged(tmp_path, smollm_llm):
     assert llm.engine.stats().spec_num_draft_tokens_total > 0
 
 
+def test_fp8_block_quantized_checkpoint(tmp_path, smollm_llm):
+    """An fp8 copy of the tiny V3.2 (16x16 blocks; the indexer's weights_proj among the quantized projections)
+    against transformers running the same dequantized weights."""
+    import transformers
+
+    from tests.tiny_checkpoints import write_fp8_copies
+
+    make_dsa_checkpoint(tmp_path / "bf16", smollm_llm, "DeepseekV32")
+    write_fp8_copies(tmp_path / "bf16", tmp_path, smollm_llm.tokenizer.hf, block=16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "deq", dtype=torch.float32).eval()
+    llm = LLM(model=str(tmp_path / "fp8"), dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="8MiB",
+              max_num_batched_tokens=8)
+    ids = torch.randint(0, 1000, (24,)).tolist()
+    model = llm.engine.runner.model
+    ours = teacher_forced_logits(model, KVCache(model.kv_cache_spec("fp32", 4), 16, "cpu"), ids, chunk=7)
+    with torch.no_grad():
+        torch.testing.assert_close(ours, hf(torch.tensor([ids])).logits[0], atol=2e-4, rtol=1e-4)
+
+
 def test_short_prompts_equal_dense_mla(tiny):
     """Up to index_topk tokens every token is selected: transformers' DeepSeek-V3 (dense MLA) on the same weights."""
     import transformers
