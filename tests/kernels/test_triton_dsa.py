@@ -98,3 +98,19 @@ def test_ties_select_valid_tokens_and_attend_to_them():
             row += 1
     want, _ = dsa_attention(q_nope, q_pe, None, None, data, scales, meta, w_kv_b, 0.2, TOPK, ROPE, chosen)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_scores_in_blocks_of_rows_select_the_same(monkeypatch):
+    """The indexer's scores computed a row at a time (the memory bound's smallest block) select what all rows at once
+    do, in the reference and in the Triton path."""
+    import tokenmill.kernels.dsa as reference
+    import tokenmill.kernels.triton.dsa as triton_path
+
+    q_nope, q_pe, q_index, weights, data, scales, meta, w_kv_b = batch("fp32", torch.float32, *zip(*LENS), seed=7)
+    args = (q_nope, q_pe, q_index, weights, data, scales, meta, w_kv_b, 0.2, TOPK, ROPE)
+    whole = {backend: dsa_attention(*args, backend=backend) for backend in ("torch", "triton")}
+    monkeypatch.setattr(reference, "INDEX_SCORE_BYTES", 1)
+    monkeypatch.setattr(triton_path, "INDEX_SCORE_BYTES", 1)
+    for backend, (out, chosen) in whole.items():
+        again, chosen_again = dsa_attention(*args, backend=backend)
+        assert torch.equal(chosen_again, chosen) and torch.equal(again, out), backend

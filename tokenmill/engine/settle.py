@@ -170,8 +170,8 @@ def choose_execution(config: EngineConfig, device: str, backend: str, size: int,
     stack on a CPU for models that compile (tensor-parallel ranks run eagerly); eager otherwise."""
     if config.enforce_eager or size > 1:
         return "eager"
-    if device == "cuda":
-        return "cuda_graphs" if backend == "triton" else "eager"
+    if device == "cuda":  # DSA's selection reads the step's positions on the host (kernels/dsa.py): no graphs yet
+        return "cuda_graphs" if backend == "triton" and model_config.dsa is None else "eager"
     return "compiled" if model_class_for(model_config).compilable else "eager"
 
 

@@ -26,6 +26,8 @@ from tokenmill.kernels.paged_attention import token_slots
 
 # Query rows per batch of the sparse attention: bounds the gathered latents at ROWS x topk x (R + P) floats.
 ROWS = 64
+# The indexer's per-head scores of a block of query rows over a request's keys: at most this many bytes at once.
+INDEX_SCORE_BYTES = 256 * 2**20
 
 
 def _request_slots(meta: AttentionMetadata, i: int, length: int, null_slot: int) -> torch.Tensor:
@@ -44,12 +46,18 @@ def index_topk_reference(q_index: torch.Tensor, weights: torch.Tensor, k_index: 
                          positions: torch.Tensor, topk: int) -> torch.Tensor:
     """One request: q_index [Q, Hi, D], weights [Q, Hi], its keys k_index [L, D], the queries' positions [Q] ->
     the selected token indices [Q, min(topk, L)], -1 where fewer than that precede the query (ties: torch.topk's)."""
-    scores = torch.einsum("qhd,ld->qhl", q_index.float(), k_index.float()).relu_()
-    index = torch.einsum("qh,qhl->ql", weights.float(), scores)
-    causal = torch.arange(k_index.shape[0], device=index.device)[None, :] <= positions[:, None]
-    index = index.masked_fill(~causal, float("-inf"))
-    chosen = index.topk(min(topk, k_index.shape[0]), dim=-1).indices
-    return torch.where(chosen <= positions[:, None], chosen, -1)
+    length, heads = k_index.shape[0], q_index.shape[1]
+    keys = k_index.float()
+    rows = max(1, INDEX_SCORE_BYTES // (4 * heads * length))  # the per-head scores of this many rows at a time
+    chosen = []
+    for start in range(0, q_index.shape[0], rows):
+        block = slice(start, start + rows)
+        scores = torch.einsum("qhd,ld->qhl", q_index[block].float(), keys).relu_()
+        index = torch.einsum("qh,qhl->ql", weights[block].float(), scores)
+        causal = torch.arange(length, device=index.device)[None, :] <= positions[block, None]
+        picked = index.masked_fill(~causal, float("-inf")).topk(min(topk, length), dim=-1).indices
+        chosen.append(torch.where(picked <= positions[block, None], picked, -1))
+    return torch.cat(chosen)
 
 
 def sparse_mla_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, read_latents, chosen: torch.Tensor,
@@ -98,9 +106,9 @@ def dsa_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, q_index: torch.Tenso
         from tokenmill.kernels.triton.dsa import dsa_attention_triton
 
         requests, positions = _rows(meta, q_nope.device)
-        o_lat, selection = dsa_attention_triton(q_lat, q_pe, q_index, index_weights, data, scales,
-                                                meta.block_tables[requests], positions, meta.block_size, sm_scale,
-                                                topk, rank, rope_dim, chosen)
+        o_lat, selection = dsa_attention_triton(q_lat, q_pe, q_index, index_weights, data, scales, meta.block_tables,
+                                                requests, positions, meta.block_size, sm_scale, topk, rank,
+                                                rope_dim, chosen)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv), selection
     out = torch.empty(tokens, heads, w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
     selection = torch.full((tokens, topk), -1, dtype=torch.long, device=q_nope.device) if chosen is None else chosen

@@ -253,7 +253,8 @@ def _dsa(hf: dict[str, Any], architecture: str) -> DSAConfig | None:
     if not hf.get("q_lora_rank"):
         raise ValueError("a DSA indexer reads the query's low-rank latent: q_lora_rank is required")
     return DSAConfig(index_topk=hf.get("index_topk", 2048), index_head_dim=hf.get("index_head_dim", 128),
-                     index_n_heads=hf.get("index_n_heads", 64), layer_types=tuple(types),
+                     index_n_heads=hf.get("index_n_heads", 32 if architecture == "GlmMoeDsaForCausalLM" else 64),
+                     layer_types=tuple(types),
                      interleaved_rope=architecture == "GlmMoeDsaForCausalLM")
 
 

@@ -34,7 +34,8 @@ from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.layers.vocab import VocabParallelEmbedding, vocab_rows_per_rank
 
 # Kept float32 whatever the compute dtype: the router decides in float32, as DeepSeek's code does; fp8 scales.
-_FP32_PARAMS = ("gate_weight", "e_score_correction_bias", "w_gate_up_scale", "w_down_scale")
+_FP32_PARAMS = ("gate_weight", "e_score_correction_bias", "w_gate_up_scale", "w_down_scale",
+                "indexer.weights_proj.weight")
 
 
 class DeepseekLayer(nn.Module):

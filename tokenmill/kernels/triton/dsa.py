@@ -15,16 +15,17 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton.common import dot, interpreting, next_pow2, paged_slots
+from tokenmill.kernels.dsa import INDEX_SCORE_BYTES
 from tokenmill.kernels.triton import mla as triton_mla
 
 
 @triton.jit
-def _index_scores_kernel(q_ptr, w_ptr, data_ptr, scale_ptr, bt_ptr, pos_ptr, out_ptr,
+def _index_scores_kernel(q_ptr, w_ptr, data_ptr, scale_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr,
                          stride_qt, stride_qh, stride_wt, stride_bt, stride_ot,
                          HEADS: tl.constexpr, DIM: tl.constexpr, KEY_OFFSET: tl.constexpr, SLOT: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, FP8: tl.constexpr, F32: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_HI)
     offs_d = tl.arange(0, BLOCK_D)
@@ -34,7 +35,7 @@ def _index_scores_kernel(q_ptr, w_ptr, data_ptr, scale_ptr, bt_ptr, pos_ptr, out
     w = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_mask, other=0.0).to(tl.float32)
     position = tl.load(pos_ptr + t)
     valid = offs_n <= position
-    slot = paged_slots(bt_ptr + t * stride_bt, offs_n, valid, BLOCK_SIZE)
+    slot = paged_slots(bt_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_bt, offs_n, valid, BLOCK_SIZE)
     k = tl.load(data_ptr + slot[:, None] * SLOT + KEY_OFFSET + offs_d[None, :], mask=valid[:, None] & d_mask[None, :],
                 other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
     s = dot(q, tl.trans(k), tl.zeros([BLOCK_HI, BLOCK_N], tl.float32), F32)
@@ -45,17 +46,17 @@ def _index_scores_kernel(q_ptr, w_ptr, data_ptr, scale_ptr, bt_ptr, pos_ptr, out
 
 
 def index_scores_triton(q_index: torch.Tensor, weights: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
-                        row_tables: torch.Tensor, positions: torch.Tensor, key_offset: int, block_size: int,
-                        max_len: int) -> torch.Tensor:
-    """q_index [T, Hi, D], weights [T, Hi] float32, the rows' block tables [T, W] and positions [T] -> scores
-    [T, max_len] float32, -inf past each row's position."""
+                        block_tables: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor, key_offset: int,
+                        block_size: int, max_len: int) -> torch.Tensor:
+    """q_index [T, Hi, D], weights [T, Hi] float32, each row's request (its row of ``block_tables``) and position
+    [T] -> scores [T, max_len] float32, -inf past each row's position."""
     tokens, heads, dim = q_index.shape
     block_n = 32
     width = triton.cdiv(max_len, block_n) * block_n
     out = torch.empty(tokens, width, dtype=torch.float32, device=q_index.device)
     _index_scores_kernel[(tokens, width // block_n)](
-        q_index, weights, data, scales if scales is not None else data, row_tables, positions, out,
-        q_index.stride(0), q_index.stride(1), weights.stride(0), row_tables.stride(0), out.stride(0),
+        q_index, weights, data, scales if scales is not None else data, block_tables, requests, positions, out,
+        q_index.stride(0), q_index.stride(1), weights.stride(0), block_tables.stride(0), out.stride(0),
         HEADS=heads, DIM=dim, KEY_OFFSET=key_offset, SLOT=data.shape[-1], BLOCK_SIZE=block_size,
         BLOCK_HI=max(16, next_pow2(heads)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(dim)), FP8=scales is not None,
         F32=interpreting(_index_scores_kernel))
@@ -64,20 +65,25 @@ def index_scores_triton(q_index: torch.Tensor, weights: torch.Tensor, data: torc
 
 def dsa_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, q_index: torch.Tensor | None,
                          index_weights: torch.Tensor | None, data: torch.Tensor, scales: torch.Tensor | None,
-                         row_tables: torch.Tensor, positions: torch.Tensor, block_size: int, sm_scale: float,
-                         topk: int, rank: int, rope_dim: int, chosen: torch.Tensor | None
+                         block_tables: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor, block_size: int,
+                         sm_scale: float, topk: int, rank: int, rope_dim: int, chosen: torch.Tensor | None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every query row at once (decodes and prefill rows alike): q_lat [T, H, R], q_pe [T, H, P], the rows' block
-    tables [T, W] and positions [T] -> (o_lat [T, H, R], the selection [T, topk], -1 padded at the end)."""
+    """Every query row at once (decodes and prefill rows alike): q_lat [T, H, R], q_pe [T, H, P], each row's
+    request (its row of ``block_tables``) and position [T] -> (o_lat [T, H, R], the selection [T, topk], -1 padded
+    at the end). The scores are computed for blocks of rows at a time (at most INDEX_SCORE_BYTES each)."""
     if chosen is None:
         max_len = int(positions.max()) + 1
-        scores = index_scores_triton(q_index, index_weights.float().contiguous(), data, scales, row_tables, positions,
-                                     rank + rope_dim, block_size, max_len)
-        picked = scores.topk(min(topk, max_len), dim=-1).indices
-        picked = torch.where(picked <= positions[:, None], picked, -1)  # -inf scores sort last: -1 only at the end
+        weights = index_weights.float().contiguous()
         chosen = torch.full((q_lat.shape[0], topk), -1, dtype=torch.long, device=q_lat.device)
-        chosen[:, :picked.shape[1]] = picked
+        rows = max(1, INDEX_SCORE_BYTES // (4 * max_len))
+        for start in range(0, q_lat.shape[0], rows):
+            block = slice(start, start + rows)
+            scores = index_scores_triton(q_index[block], weights[block], data, scales, block_tables, requests[block],
+                                         positions[block], rank + rope_dim, block_size, max_len)
+            picked = scores.topk(min(topk, max_len), dim=-1).indices
+            # -inf scores (past the row's position) sort last: the -1s come only at the end of a row
+            chosen[block, :picked.shape[1]] = torch.where(picked <= positions[block, None], picked, -1)
     lens = (chosen >= 0).sum(-1).to(torch.int32)
-    o_lat = triton_mla.mla_decode_triton(q_lat, q_pe, data, scales, row_tables, lens, block_size, sm_scale,
-                              max_len=topk, indices=chosen)
+    o_lat = triton_mla.mla_decode_triton(q_lat, q_pe, data, scales, block_tables, lens, block_size, sm_scale,
+                                         max_len=topk, indices=chosen, row_requests=requests)
     return o_lat, chosen

@@ -24,13 +24,14 @@ from tokenmill.kernels.triton.split_kv import (decode_num_splits, merge_splits, 
 
 @triton.jit
 def _mla_decode_split_kernel(
-        q_lat_ptr, q_pe_ptr, data_ptr, scale_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, idx_ptr, sm_scale,
+        q_lat_ptr, q_pe_ptr, data_ptr, scale_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, idx_ptr, req_ptr, sm_scale,
         stride_lb, stride_lh, stride_pb, stride_ph, stride_bt, stride_idx,
         HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, SLOT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_P: tl.constexpr, FP8: tl.constexpr, F32: tl.constexpr, SPARSE: tl.constexpr):
-    """Row b attends to its positions 0 .. lens[b] - 1, or (SPARSE) to the positions idx[b, 0 .. lens[b] - 1]
-    (DeepSeek Sparse Attention's selection, kernels/dsa.py). A cache entry is SLOT wide: [c_kv | k_pe | ...]."""
+    """Row b attends to its positions 0 .. lens[b] - 1, or (SPARSE) to the positions idx[b, 0 .. lens[b] - 1] of
+    request req[b]'s block table (DeepSeek Sparse Attention's selection, kernels/dsa.py: a row per query token). A
+    cache entry is SLOT wide: [c_kv | k_pe | ...]."""
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -46,6 +47,7 @@ def _mla_decode_split_kernel(
                    mask=h_mask[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_P]
 
     start, end = split_range(tl.load(lens_ptr + b), split, NUM_SPLITS, BLOCK_N)
+    table = bt_ptr + (tl.load(req_ptr + b).to(tl.int64) if SPARSE else b) * stride_bt
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -56,7 +58,7 @@ def _mla_decode_split_kernel(
         if SPARSE:
             pos = tl.load(idx_ptr + b * stride_idx + pos, mask=valid, other=-1)
             valid = valid & (pos >= 0)
-        slot = paged_slots(bt_ptr + b * stride_bt, pos, valid, BLOCK_SIZE)
+        slot = paged_slots(table, pos, valid, BLOCK_SIZE)
         entry = data_ptr + slot[:, None] * SLOT
         c = tl.load(entry + offs_r[None, :], mask=valid[:, None] & r_mask[None, :], other=0.0).to(q_lat.dtype)
         k_pe = tl.load(entry + RANK + offs_p[None, :], mask=valid[:, None] & p_mask[None, :],
@@ -79,9 +81,10 @@ def _mla_decode_split_kernel(
 def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sm_scale: float,
                       num_splits: int | None = None, max_len: int | None = None,
-                      indices: torch.Tensor | None = None) -> torch.Tensor:
+                      indices: torch.Tensor | None = None, row_requests: torch.Tensor | None = None) -> torch.Tensor:
     """``indices`` [B, K] (sparse attention): row b reads only positions indices[b, :seq_lens[b]], which must be
-    valid (>= 0, the selection's -1 padding after them); data's entries may then be wider than R + P."""
+    valid (>= 0, the selection's -1 padding after them), of request row_requests[b]'s row of ``block_tables``;
+    data's entries may then be wider than R + P."""
     batch, heads, rank = q_lat.shape
     rope = q_pe.shape[-1]
     slot = data.shape[-1]
@@ -97,7 +100,8 @@ def mla_decode_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, data: torch.Tenso
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q_lat.device)
     _mla_decode_split_kernel[(batch, head_groups, splits)](
         q_lat, q_pe, data, scales if scales is not None else data, block_tables, seq_lens, o_part, lse,
-        indices if indices is not None else seq_lens, sm_scale,
+        indices if indices is not None else seq_lens, row_requests if row_requests is not None else seq_lens,
+        sm_scale,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0),
         indices.stride(0) if indices is not None else 0,
         HEADS=heads, RANK=rank, ROPE=rope, SLOT=slot, BLOCK_SIZE=block_size, NUM_SPLITS=splits, BLOCK_H=block_h,

@@ -3,7 +3,8 @@ the ``index_topk`` cached tokens a lightning indexer picks (kernels/dsa.py has t
 
 The indexer of a "full" layer: q = wq_b(q_resid) [Hi, D] from MLA's query latent, k = LayerNorm(wk(x)) [D] (one key
 per token, cached beside the latent), both roped on their first qk_rope_head_dim features (V3.2: the two halves;
-GLM-5: interleaved pairs, de-interleaved first as MLA's are), and per-head weights weights_proj(x) / sqrt(Hi) / sqrt(D). A "shared" layer (GLM-5's
+GLM-5: interleaved pairs, de-interleaved first as MLA's are), and per-head weights weights_proj(x) / sqrt(Hi) / sqrt(D)
+(weights_proj float32 whatever the compute dtype). A "shared" layer (GLM-5's
 ``indexer_types``) has no indexer: it reuses the selection of the last full layer before it, which ``Selection``
 carries from one layer to the next within a forward.
 
@@ -54,7 +55,7 @@ class Indexer(nn.Module):
         """-> queries [T, Hi, D], per-head weights [T, Hi] (float32, scales folded in), keys [T, D]."""
         q = self._rope(self.wq_b(q_resid).view(x.shape[0], self.heads, self.dim), positions)
         k = self._rope(self.k_norm(self.wk(x)).unsqueeze(1), positions).squeeze(1)
-        weights = self.weights_proj(x).float() * self.scale
+        weights = self.weights_proj(x.float()) * self.scale  # float32, as transformers keeps it: it ranks tokens
         return q, weights, k
 
 
