@@ -46,7 +46,6 @@ def case(batch: int, context: int, repeats: int, backend: str, device: str) -> d
     num_blocks = batch * blocks_per
     data = torch.randn(num_blocks + 1, BLOCK, 1, RANK + ROPE + INDEX_DIM, generator=g).to(dtype).to(device)
     tables = torch.randperm(num_blocks, generator=g).view(batch, blocks_per).to(device)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q_nope = torch.randn(batch, HEADS, NOPE, generator=g).to(dtype).to(device)
     q_pe = torch.randn(batch, HEADS, ROPE, generator=g).to(dtype).to(device)
     q_index = torch.randn(batch, INDEX_HEADS, INDEX_DIM, generator=g).to(dtype).to(device)

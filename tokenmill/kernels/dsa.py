@@ -78,15 +78,19 @@ def sparse_mla_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, read_latents, 
     return out
 
 
-def _rows(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query row's request and position in it ([T] each)."""
-    requests, positions = [], []
-    for i, length in enumerate(meta.seq_lens):
-        count = meta.query_start_loc[i + 1] - meta.query_start_loc[i]
-        requests += [i] * count
-        positions += range(length - count, length)
-    return (torch.tensor(requests, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.int32, device=device))
+def _rows(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each query row's request and position in it ([T] each), and the longest of their requests (built once per
+    step, shared by every layer, without reading a device tensor back)."""
+    def build():
+        requests, positions, longest = [], [], 1
+        for i, length in enumerate(meta.seq_lens):
+            count = meta.query_start_loc[i + 1] - meta.query_start_loc[i]
+            requests += [i] * count
+            positions += range(length - count, length)
+            longest = max(longest, length) if count else longest
+        return (torch.tensor(requests, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.int32, device=device), longest)
+    return meta.derived(("dsa_rows", device), build)
 
 
 def dsa_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, q_index: torch.Tensor | None,
@@ -105,9 +109,9 @@ def dsa_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, q_index: torch.Tenso
     if backend == "triton":
         from tokenmill.kernels.triton.dsa import dsa_attention_triton
 
-        requests, positions = _rows(meta, q_nope.device)
+        requests, positions, max_len = _rows(meta, q_nope.device)
         o_lat, selection = dsa_attention_triton(q_lat, q_pe, q_index, index_weights, data, scales, meta.block_tables,
-                                                requests, positions, meta.block_size, sm_scale, topk, rank,
+                                                requests, positions, max_len, meta.block_size, sm_scale, topk, rank,
                                                 rope_dim, chosen)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv), selection
     out = torch.empty(tokens, heads, w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)

@@ -65,14 +65,14 @@ def index_scores_triton(q_index: torch.Tensor, weights: torch.Tensor, data: torc
 
 def dsa_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, q_index: torch.Tensor | None,
                          index_weights: torch.Tensor | None, data: torch.Tensor, scales: torch.Tensor | None,
-                         block_tables: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor, block_size: int,
-                         sm_scale: float, topk: int, rank: int, rope_dim: int, chosen: torch.Tensor | None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         block_tables: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor, max_len: int,
+                         block_size: int, sm_scale: float, topk: int, rank: int, rope_dim: int,
+                         chosen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query row at once (decodes and prefill rows alike): q_lat [T, H, R], q_pe [T, H, P], each row's
-    request (its row of ``block_tables``) and position [T] -> (o_lat [T, H, R], the selection [T, topk], -1 padded
-    at the end). The scores are computed for blocks of rows at a time (at most INDEX_SCORE_BYTES each)."""
+    request (its row of ``block_tables``) and position [T], ``max_len`` > every position -> (o_lat [T, H, R], the
+    selection [T, topk], -1 padded at the end). The scores are computed for blocks of rows at a time (at most
+    INDEX_SCORE_BYTES each)."""
     if chosen is None:
-        max_len = int(positions.max()) + 1
         weights = index_weights.float().contiguous()
         chosen = torch.full((q_lat.shape[0], topk), -1, dtype=torch.long, device=q_lat.device)
         rows = max(1, INDEX_SCORE_BYTES // (4 * max_len))
