@@ -7,7 +7,8 @@ import torch
 
 from tokenmill.kernels.cpu_native import library
 from tokenmill.kernels.quant_linear import (WeightFormat, dequantize, pack_int4, quant_linear_cpu,
-                                            quant_linear_reference, quantize, quantize_activations, unpack_int4)
+                                            quant_linear_reference, quantize, quantize_activations, repack_x16,
+                                            unpack_int4, unpack_x16)
 from tokenmill.models.loader import gguf_quantized_pieces
 
 FORMATS = ["int4-g32", "int4-g64", "int4-g128", "int4-g128-zp", "int8-ch", "int8-g32", "int8-g64-zp", "fp8-ch"]
@@ -74,6 +75,41 @@ def test_fp8_per_channel_round_trip():
     assert t["qweight"].dtype == torch.float8_e4m3fn and t["scales"].shape == (8, 1)
     back = dequantize(fmt, t["qweight"], t["scales"], None)
     assert ((back - w).abs() <= w.abs() * 2**-4 + t["scales"] * 2**-9).all()  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g64", "int4-g128-zp", "int8-ch", "int8-g32", "int8-g64-zp"])
+@pytest.mark.parametrize("rows", [16, 37])
+def test_interleaved_layout_round_trips(name, rows):
+    """The AVX-512 VNNI kernel's layout holds the same codes, scales and mins (37 rows: a padded last tile)."""
+    fmt = WeightFormat.parse(name)
+    t = weights(fmt, rows, 160)
+    packed = repack_x16(fmt, t["qweight"], t["scales"], t.get("mins"))
+    assert packed[0].shape == (-(-rows // 16), 5, 8, 32 if fmt.kind == "int4" else 64)
+    for want, got in zip((t["qweight"], t["scales"], t.get("mins")), unpack_x16(fmt, *packed, rows)):
+        assert (want is None and got is None) or (torch.equal(want, got) and want.dtype == got.dtype)
+    # byte 4i + c of step s in block b: row i's input 32b + 4s + c (int4: rows 8.. in the high nibbles)
+    codes = unpack_int4(t["qweight"]) if fmt.kind == "int4" else t["qweight"].to(torch.int16) + 128
+    b, s, i, c = 3, 5, 2, 1
+    byte = int(packed[0][0, b, s, 4 * i + c])
+    assert (byte & 0x0F if fmt.kind == "int4" else byte) == int(codes[i, 32 * b + 4 * s + c])
+    if fmt.kind == "int4":
+        assert byte >> 4 == int(codes[i + 8, 32 * b + 4 * s + c])
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["int4-g32", "int8-g32"])
+def test_kernel_over_a_layer_held_interleaved(name):
+    """A layer that holds its weight repacked (repacked_rows) computes what the canonical tensors do."""
+    from tokenmill.kernels.cpu_native import x16_available
+    from tokenmill.kernels.quant_linear import CPUQuantMatmul
+    if not x16_available():
+        pytest.skip("this host's build has no AVX-512 VNNI")
+    fmt = WeightFormat.parse(name)
+    t = weights(fmt, 37, 160)
+    x = torch.randn(6, 160)
+    held = CPUQuantMatmul(fmt, *repack_x16(fmt, t["qweight"], t["scales"], t.get("mins")), repacked_rows=37)
+    ref = quant_linear_reference(x, fmt, t["qweight"], t["scales"], t.get("mins"), int8_activations=True)
+    torch.testing.assert_close(held(x), ref, rtol=1e-4, atol=5e-4)
 
 
 def test_int4_packing_round_trips_in_gguf_block_order():

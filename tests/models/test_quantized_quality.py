@@ -78,6 +78,5 @@ def test_auto_runs_each_call_on_the_layout_its_row_count_settled(smollm_llm):
             if layer.dense_from_rows is not None and rows >= layer.dense_from_rows:
                 torch.testing.assert_close(got, dense.run(x) if hasattr(dense, "run") else dense(x))
             else:
-                ref = quant_linear_reference(x, layer.fmt, layer.qweight, layer.scales, layer.mins,
-                                             int8_activations=True)
+                ref = quant_linear_reference(x, layer.fmt, *layer.canonical(), int8_activations=True)
                 torch.testing.assert_close(got, ref, rtol=1e-4, atol=5e-4)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "cpu" / "paged_attention.c", Path(__file__).parent / "cpu" / "quant_linear.c")
+SOURCES = tuple(Path(__file__).parent / "cpu" / name
+                for name in ("paged_attention.c", "quant_linear.c", "quant_linear_vnni.c"))
 # fast-math's reassociation lets the reductions and expf vectorize (glibc's libmvec); finite sentinels are used in
 # place of infinities inside the loops.
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-ffast-math", "-fPIC", "-shared")
@@ -97,6 +98,10 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
         ctypes.c_int64]
     lib.tm_quant_linear_prepared.restype = ctypes.c_int
     lib.tm_quant_linear_prepared.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.tm_x16_available.restype = ctypes.c_int
+    lib.tm_quant_linear_x16.restype = ctypes.c_int
+    lib.tm_quant_linear_x16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                        ctypes.c_void_p]
     return lib
 
 
@@ -106,6 +111,19 @@ class QuantWeight(ctypes.Structure):
                 ("bias", ctypes.c_void_p), ("K", ctypes.c_int64), ("N", ctypes.c_int64), ("G", ctypes.c_int64),
                 ("tile_rows", ctypes.c_int64), ("scales_f32", ctypes.c_int32), ("mins_f32", ctypes.c_int32),
                 ("kind", ctypes.c_int32), ("unused", ctypes.c_int32)]
+
+
+class X16Weight(ctypes.Structure):
+    """kernels/cpu/quant_linear_vnni.c's tm_x16_weight: a weight in the interleaved layout."""
+    _fields_ = [("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("K", ctypes.c_int64),
+                ("N", ctypes.c_int64), ("G", ctypes.c_int64), ("kind", ctypes.c_int32), ("d_f32", ctypes.c_int32),
+                ("m_f32", ctypes.c_int32), ("unused", ctypes.c_int32)]
+
+
+def x16_available() -> bool:
+    """Whether this host's build has the interleaved int4 / int8 kernel (AVX-512 VNNI)."""
+    lib = library()
+    return lib is not None and bool(lib.tm_x16_available())
 
 
 def library(cache_dir: str = DEFAULT_CACHE_DIR) -> ctypes.CDLL | None:

@@ -16,8 +16,8 @@ from torch import nn
 from typing import NamedTuple
 
 from tokenmill.kernels.backend import KernelChoice
-from tokenmill.kernels.cpu_native import library
-from tokenmill.kernels.quant_linear import CPUQuantMatmul, WeightFormat, quant_linear, quantize
+from tokenmill.kernels.cpu_native import library, x16_available
+from tokenmill.kernels.quant_linear import CPUQuantMatmul, WeightFormat, quant_linear, quantize, repack_x16, unpack_x16
 
 QUANT_BUFFERS = ("qweight", "scales", "mins", "input_perm")
 
@@ -59,18 +59,37 @@ class QuantLinear(nn.Module):
         self.dense = None  # the packed dense layer, on a CPU (kernels/cpu_linear.py pack_linears)
         # The C kernel over these buffers, prepared once they hold the weights (prepare_cpu); None: the dispatch.
         self._cpu_kernel: CPUQuantMatmul | None = None
+        self.x16 = False  # the buffers are in the interleaved CPU layout (prepare_cpu): only _cpu_kernel reads them
         self.index = 0  # in its model's packed_linears table (pack_linears numbers it)
 
     def prepare_cpu(self) -> None:
         """Bind the CPU kernel to this layer's buffers (after loading, with the "cpu" kernel backend); moving the
-        buffers afterwards needs another call."""
+        buffers afterwards needs another call. Where the host has the interleaved int4 / int8 kernel (AVX-512 VNNI),
+        the buffers are repacked into its layout once (``x16``, lossless, the same bytes where 16 divides the rows):
+        from then on only that kernel reads them."""
         use = self.kernels.backend == "cpu" and self.qweight.device.type == "cpu" and library() is not None
-        if use and self.fmt.kind == "int4" and self.fmt.group(self.in_features) == 32:
+        if not use:
+            self._cpu_kernel = None
+            return
+        if self.fmt.kind != "fp8" and (self.x16 or x16_available()):
+            if not self.x16:
+                self.qweight, self.scales, self.mins = repack_x16(self.fmt, self.qweight, self.scales, self.mins)
+                self.x16 = True
+            self._cpu_kernel = CPUQuantMatmul(self.fmt, self.qweight, self.scales, self.mins, self.bias,
+                                              repacked_rows=self.out_features)
+            return
+        if self.fmt.kind == "int4" and self.fmt.group(self.in_features) == 32:
             # A scale and a min every 32 inputs: widening them from fp16 on every block cost the kernel 10-18% at one
             # row (benchmarks/results/quant-kernel.json); float32 copies cost a bit a weight more (held as the
             # buffers, so weight_bytes counts them). Exact: every fp16 value is a float32 one.
             self.scales, self.mins = self.scales.float(), self.mins.float()
-        self._cpu_kernel = CPUQuantMatmul(self.fmt, self.qweight, self.scales, self.mins, self.bias) if use else None
+        self._cpu_kernel = CPUQuantMatmul(self.fmt, self.qweight, self.scales, self.mins, self.bias)
+
+    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(qweight, scales, mins) in the format's own layout (kernels/quant_linear.py), whichever way they are held."""
+        if self.x16:
+            return unpack_x16(self.fmt, self.qweight, self.scales, self.mins, self.out_features)
+        return self.qweight, self.scales, self.mins
 
     def drop_identity_order(self) -> None:
         """After loading: an input permutation that is the identity (a layer whose g_idx was consecutive) is not kept."""
@@ -87,6 +106,8 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.dense_from_rows is not None and rows.shape[0] >= self.dense_from_rows:
             out = self.dense.run(rows) if self.dense is not None else F.linear(rows, self.weight, self.bias)
+        elif self.x16:
+            raise RuntimeError("a quantized layer repacked for the CPU kernel runs only on it (prepare_cpu)")
         else:
             out = quant_linear(rows, self.fmt, self.qweight, self.scales, self.mins, self.bias, self.kernels.backend)
         return out.view(*x.shape[:-1], self.out_features)

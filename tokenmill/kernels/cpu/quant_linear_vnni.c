@@ -1,0 +1,134 @@
+// int4 / int8 weights x int8 activations on AVX-512 VNNI (vpdpbusd), over a weight repacked once at load so that
+// the 16 int32 lanes of a register are 16 output rows: the products of a 32-input block add up in integers, and the
+// float work (widen, scale, min term) is one register per block for 16 outputs, with no horizontal sums.
+//
+// Same formats and arithmetic as quant_linear.c (see its header): activations quantized per 32-input block (codes xq,
+// scale xd, xs = xd * sum of codes); out = sum over blocks of (scale * xd) * (codes . xq) + min * xs.
+//
+// The interleaved layout ("x16", written by kernels/quant_linear.py's repack_x16; rows padded to a multiple of 16
+// with zero codes and scales): for each tile of 16 output rows, each block b, each step s of 4 inputs (0..7):
+//   int4: 32 bytes; byte 4i + c holds input 32b + 4s + c of row i in its low nibble (i < 8) and of row i + 8 in its
+//         high nibble, so the low nibbles are lanes 0..7 of vpdpbusd's operand and the high ones lanes 8..15;
+//   int8: 64 bytes; byte 4i + c holds code + 128 (unsigned) of row i, input 32b + 4s + c. The 128 * sum(x codes)
+//         this adds is taken back through the min term: min' = min - 128 * scale (sum(x codes) is in xs).
+// d, m: [tiles][groups][16] scales and mins of each group of G inputs (G a multiple of 32), fp16 or float32.
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const uint8_t *q;
+    const void *d, *m;  // m: NULL where the format has no mins
+    int64_t K, N, G;
+    int32_t kind;  // 0: int4, 1: int8
+    int32_t d_f32, m_f32, unused;
+} tm_x16_weight;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+#define TILE_M 8  // rows of x a tile keeps in registers (with the 8 unpacked steps of a block)
+
+int tm_x16_available(void) { return 1; }
+
+static inline __m512 load16(const void *p, int64_t i, int f32) {
+    return f32 ? _mm512_loadu_ps((const float *)p + i)
+               : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+}
+
+// out[m0 + r][16 t ..] for r < MR.
+static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *w, int64_t t, int64_t m0,
+                                                           const int MR, const int8_t *xq, const float *xd,
+                                                           const float *xs, float *out) {
+    const int64_t blocks = w->K / 32, per_group = w->G / 32, groups = (w->K + w->G - 1) / w->G;
+    const int64_t step_bytes = w->kind == 0 ? 32 : 64;
+    const uint8_t *qt = w->q + t * blocks * 8 * step_bytes;
+    const __m512i nibble = _mm512_set1_epi8(0x0F), shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    __m512 acc[TILE_M];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i steps[8];
+        const uint8_t *qb = qt + b * 8 * step_bytes;
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            if (w->kind == 0) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(qb + 32 * s));
+                __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
+                steps[s] = _mm512_and_si512(_mm512_srlv_epi64(z, shifts), nibble);
+            } else {
+                steps[s] = _mm512_loadu_si512((const void *)(qb + 64 * s));
+            }
+        }
+        const int64_t at = (t * groups + b / per_group) * 16;
+        __m512 d = load16(w->d, at, w->d_f32);
+        __m512 m = w->m ? load16(w->m, at, w->m_f32) : _mm512_setzero_ps();
+        if (w->kind == 1) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f), m);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            const int8_t *xb = xq + (m0 + r) * w->K + 32 * b;
+            int32_t x4[8];
+            memcpy(x4, xb, 32);
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), steps[0], _mm512_set1_epi32(x4[0]));
+#pragma GCC unroll 8
+            for (int s = 1; s < 8; s++) dot = _mm512_dpbusd_epi32(dot, steps[s], _mm512_set1_epi32(x4[s]));
+            const int64_t xi = (m0 + r) * blocks + b;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(xd[xi])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[xi]), acc[r]);
+        }
+    }
+    const int64_t n0 = 16 * t;
+    const __mmask16 live = w->N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (w->N - n0)) - 1);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(out + (m0 + r) * w->N + n0, live, acc[r]);
+}
+
+// xq [M][K], xd / xs [M][K / 32] as quant_linear.c's quantize_rows writes them -> out [M][N]. Returns 0.
+static int tm_x16_linear(const tm_x16_weight *w, const int8_t *xq, const float *xd, const float *xs, int64_t M,
+                         float *out) {
+    const int64_t tiles = (w->N + 15) / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t m = 0;
+        for (; m + TILE_M <= M; m += TILE_M) x16_tile(w, t, m, TILE_M, xq, xd, xs, out);
+        if (M - m >= 4) { x16_tile(w, t, m, 4, xq, xd, xs, out); m += 4; }
+        if (M - m >= 2) { x16_tile(w, t, m, 2, xq, xd, xs, out); m += 2; }
+        if (M - m >= 1) x16_tile(w, t, m, 1, xq, xd, xs, out);
+    }
+    return 0;
+}
+
+#endif
+
+void tm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs);  // quant_linear.c
+
+// x [M][K] float32 -> out [M][N] (+ bias [N], or NULL). Returns 0, -1 where this build has no AVX-512 VNNI, -2 when
+// memory runs out.
+int tm_quant_linear_x16(const tm_x16_weight *w, const float *x, int64_t M, const float *bias, float *out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    const int64_t blocks = w->K / 32;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * w->K));
+    float *xd = (float *)malloc((size_t)(M * blocks) * sizeof(float));
+    float *xs = (float *)malloc((size_t)(M * blocks) * sizeof(float));
+    int code = xq && xd && xs ? 0 : -2;
+    if (code == 0) {
+        tm_quantize_rows(x, M, w->K, xq, xd, xs);
+        code = tm_x16_linear(w, xq, xd, xs, M, out);
+        if (code == 0 && bias)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t n = 0; n < w->N; n++) out[m * w->N + n] += bias[n];
+    }
+    free(xq); free(xd); free(xs);
+    return code;
+#else
+    (void)w; (void)x; (void)M; (void)bias; (void)out;
+    return -1;
+#endif
+}
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+
+int tm_x16_available(void) { return 0; }
+
+#endif
