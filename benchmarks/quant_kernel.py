@@ -1,7 +1,8 @@
-"""The quantized linear kernels on this CPU, at SmolLM2's shapes, against the alternatives: tokenmill's C kernel
-(kernels/cpu/quant_linear.c: int4 / int8 weights x int8 activations; int4 with fp16 and with float32 scales),
+"""The quantized linear kernels on this CPU, at SmolLM2's shapes, against the alternatives: tokenmill's C kernels
+(int4 / int8 weights x int8 activations: kernels/cpu/quant_linear.c row at a time, int4 with fp16 and with float32
+scales; and, on a host with AVX-512 VNNI, kernels/cpu/quant_linear_vnni.c over the interleaved layout),
 PyTorch's own int4 CPU matmul (``_weight_int4pack_mm_for_cpu``: bf16 activations, (q - 8) * scale + zero) and int8
-weight-only matmul (``_weight_int8pack_mm``, per channel), and the dense float32 weight packed for oneDNN (what
+weight-only matmul (``_weight_int8pack_mm``, per channel), and the dense float32 and bfloat16 weights packed for oneDNN (what
 tokenmill runs otherwise). Each case walks as many weight copies as the model has layers of that shape, up to 96 MB
 (cold, as a decode step reads them); fastest of interleaved rounds.
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.kernels.cpu_linear import pack_weight, packed_linear
+from tokenmill.kernels.cpu_native import x16_available
 from tokenmill.kernels.quant_linear import CPUQuantMatmul, WeightFormat, quantize
 
 SHAPES = {"qkv": (960, 576, 30), "o": (576, 576, 30), "gate_up": (3072, 576, 30), "down": (576, 1536, 30),
@@ -53,11 +55,16 @@ def main() -> int:
             copies = max(1, min(count, COLD_BYTES // (out * inp * 4)))
             dense = [torch.randn(out, inp) / math.sqrt(inp) for _ in range(copies)]
             packed = [pack_weight(w) for w in dense]
+            packed_bf16 = [pack_weight(w.bfloat16()) for w in dense]
             q4 = [quantize(w, int4) for w in dense]
             q8 = [quantize(w, int8) for w in dense]
-            k4 = [CPUQuantMatmul(int4, q["qweight"], q["scales"], q["mins"]) for q in q4]
-            k4f = [CPUQuantMatmul(int4, q["qweight"], q["scales"].float(), q["mins"].float()) for q in q4]
-            k8 = [CPUQuantMatmul(int8, q["qweight"], q["scales"], None) for q in q8]
+            k4 = [CPUQuantMatmul(int4, q["qweight"], q["scales"], q["mins"], interleaved=False) for q in q4]
+            k4f = [CPUQuantMatmul(int4, q["qweight"], q["scales"].float(), q["mins"].float(), interleaved=False)
+                   for q in q4]
+            k8 = [CPUQuantMatmul(int8, q["qweight"], q["scales"], None, interleaved=False) for q in q8]
+            x16 = x16_available()
+            k4x = [CPUQuantMatmul(int4, q["qweight"], q["scales"], q["mins"]) for q in q4] if x16 else []
+            k8x = [CPUQuantMatmul(int8, q["qweight"], q["scales"], None) for q in q8] if x16 else []
             codes = [torch.randint(0, 16, (out, inp), dtype=torch.int32) for _ in range(copies)]
             torch_int4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(c, 1) for c in codes]
             sz = torch.randn(inp // 32, out, 2).bfloat16()
@@ -68,9 +75,12 @@ def main() -> int:
                 xb = x.bfloat16()
                 works = {
                     "dense fp32 packed": lambda: [packed_linear(x, p, None) for p in packed],
+                    "dense bf16 packed": lambda: [packed_linear(xb, p, None) for p in packed_bf16],
                     "tokenmill int4-g32 (fp16 scales)": lambda: [k(x) for k in k4],
                     "tokenmill int4-g32 (fp32 scales)": lambda: [k(x) for k in k4f],
                     "tokenmill int8-g32": lambda: [k(x) for k in k8],
+                    **({"tokenmill int4-g32 interleaved (VNNI)": lambda: [k(x) for k in k4x],
+                        "tokenmill int8-g32 interleaved (VNNI)": lambda: [k(x) for k in k8x]} if x16 else {}),
                     "torch int4 (bf16 activations)": lambda: [
                         torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, 32, sz) for w in torch_int4],
                     "torch int8 weight-only (per channel)": lambda: [

@@ -249,13 +249,15 @@ class CPUQuantMatmul:
     already, of a weight of N rows (a layer that holds its weight that way)."""
 
     def __init__(self, fmt: WeightFormat, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                 bias: torch.Tensor | None = None, tile_rows: int = 0, repacked_rows: int | None = None):
+                 bias: torch.Tensor | None = None, tile_rows: int = 0, repacked_rows: int | None = None,
+                 interleaved: bool = True):
         lib = library()
         if lib is None:
             raise RuntimeError("the CPU kernels are not built (kernels/cpu_native.py logged why)")
         self.fmt = fmt
         bias32 = bias.float().contiguous() if bias is not None else None
-        if repacked_rows is not None or (fmt.kind != "fp8" and lib.tm_x16_available()):
+        # interleaved=False: the row-at-a-time kernel even where the interleaved one runs (benchmarks compare them)
+        if repacked_rows is not None or (interleaved and fmt.kind != "fp8" and lib.tm_x16_available()):
             if repacked_rows is None:
                 repacked_rows = qweight.shape[0]
                 qweight, scales, mins = repack_x16(fmt, qweight, scales, mins)
