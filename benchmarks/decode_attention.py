@@ -7,6 +7,9 @@ and backends are timed alternately in one process (best of ``--repeats`` per rou
 hold even on a noisy machine. This is the measurement behind ``kv_cache_dtype=auto`` choosing bf16 on a CPU and
 ``kernel_backend=auto`` choosing the C kernel there.
 
+``--layers N`` times each call on the next of N separate caches (as a model's N layers are), so the cache comes from
+memory, not from a warm last-level cache.
+
     python benchmarks/decode_attention.py [--batch 1,16,32] [--context 320] [--threads 1] [--backends torch,cpu]
 """
 
@@ -44,10 +47,10 @@ def decode_inputs(batch: int, context: int, kv_dtype: str):
     return q, data, scales, meta
 
 
-def best_seconds(args: tuple, repeats: int, backend: str) -> float:
-    q, data, scales, meta = args
+def best_seconds(layers: list[tuple], repeats: int, backend: str) -> float:
     times = []
-    for _ in range(repeats):
+    for i in range(repeats):
+        q, data, scales, meta = layers[i % len(layers)]
         meta._derived.clear()  # the per-step slot table is built in every timed call, as in a real step's first layer
         start = time.perf_counter()
         paged_attention(q, q[:, :HKV], q[:, :HKV], data, scales, meta, DIM ** -0.5, backend=backend)
@@ -70,6 +73,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--backends", default="torch,cpu")
+    parser.add_argument("--layers", type=int, default=1, help="separate caches, timed in turn")
     parser.add_argument("--out", default="benchmarks/results/decode-attention.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -77,7 +81,7 @@ def main() -> None:
     cases = [(b, kv) for b in backends for kv in STORAGE]
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):
-        inputs = {kv: decode_inputs(batch, args.context, kv) for kv in STORAGE}
+        inputs = {kv: [decode_inputs(batch, args.context, kv) for _ in range(args.layers)] for kv in STORAGE}
         best = {case: float("inf") for case in cases}
         for _ in range(args.rounds):
             for b, kv in cases:
