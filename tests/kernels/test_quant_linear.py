@@ -112,6 +112,31 @@ def test_kernel_over_a_layer_held_interleaved(name):
     torch.testing.assert_close(held(x), ref, rtol=1e-4, atol=5e-4)
 
 
+@needs_kernels
+def test_a_layer_gives_its_own_layout_back_to_another_backend():
+    """A layer repacked for the CPU kernel holds the format's own tensors again when it leaves that kernel, and
+    computes the reference's product both ways."""
+    from tokenmill.kernels.backend import KernelChoice
+    from tokenmill.models.layers.linear import QuantLinear
+    fmt = WeightFormat.parse("int4-g32")
+    t = weights(fmt, 40, 160)
+    layer = QuantLinear(160, 40, bias=False, fmt=fmt)
+    for name in ("qweight", "scales", "mins"):
+        getattr(layer, name).copy_(t[name])
+    x = torch.randn(3, 160)
+    ref = quant_linear_reference(x, fmt, t["qweight"], t["scales"], t["mins"], int8_activations=True)
+    layer.kernels = KernelChoice(backend="cpu")
+    layer.prepare_cpu()
+    torch.testing.assert_close(layer.run(x), ref, rtol=1e-4, atol=5e-4)
+    for want, got in zip((t["qweight"], t["scales"], t["mins"]), layer.canonical()):
+        assert torch.equal(want, got.to(want.dtype))
+    layer.kernels = KernelChoice(backend="torch")
+    layer.prepare_cpu()
+    assert not layer.x16 and torch.equal(layer.qweight, t["qweight"])
+    torch.testing.assert_close(layer.run(x), quant_linear_reference(x, fmt, t["qweight"], t["scales"], t["mins"]),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_int4_packing_round_trips_in_gguf_block_order():
     codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
     packed = pack_int4(codes)

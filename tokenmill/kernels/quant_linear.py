@@ -265,8 +265,8 @@ class CPUQuantMatmul:
             self._keep = (qweight, scales, mins, bias32)
             self._weight = X16Weight(
                 q=qweight.data_ptr(), d=scales.data_ptr(), m=mins.data_ptr() if mins is not None else None,
-                K=self.in_features, N=self.out_features, G=fmt.group(self.in_features), kind=KINDS[fmt.kind], d_f32=int(scales.dtype == torch.float32),
-                m_f32=int(mins is not None and mins.dtype == torch.float32))
+                K=self.in_features, N=self.out_features, G=fmt.group(self.in_features), kind=KINDS[fmt.kind],
+                d_f32=int(scales.dtype == torch.float32), m_f32=int(mins is not None and mins.dtype == torch.float32))
             x16_fn, bias_ptr = lib.tm_quant_linear_x16, bias32.data_ptr() if bias32 is not None else None
             self._fn = lambda weight, x, rows, out: x16_fn(weight, x, rows, bias_ptr, out)
         else:

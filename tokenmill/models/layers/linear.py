@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.cpu_native import library, x16_available
-from tokenmill.kernels.quant_linear import CPUQuantMatmul, WeightFormat, quant_linear, quantize, repack_x16, unpack_x16
+from tokenmill.kernels.quant_linear import (CPUQuantMatmul, WeightFormat, quant_linear, quantize, repack_x16,
+                                            unpack_x16)
 
 QUANT_BUFFERS = ("qweight", "scales", "mins", "input_perm")
 
@@ -69,6 +70,9 @@ class QuantLinear(nn.Module):
         from then on only that kernel reads them."""
         use = self.kernels.backend == "cpu" and self.qweight.device.type == "cpu" and library() is not None
         if not use:
+            if self.x16:  # another backend reads the format's own layout
+                self.qweight, self.scales, self.mins = self.canonical()
+                self.x16 = False
             self._cpu_kernel = None
             return
         if self.fmt.kind != "fp8" and (self.x16 or x16_available()):
