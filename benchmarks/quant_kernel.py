@@ -3,8 +3,8 @@
 scales; and, on a host with AVX-512 VNNI, kernels/cpu/quant_linear_vnni.c over the interleaved layout),
 PyTorch's own int4 CPU matmul (``_weight_int4pack_mm_for_cpu``: bf16 activations, (q - 8) * scale + zero) and int8
 weight-only matmul (``_weight_int8pack_mm``, per channel), and the dense float32 and bfloat16 weights packed for
-oneDNN (what tokenmill runs otherwise). Each case walks as many weight copies as the model has layers of that shape, up to 96 MB
-(cold, as a decode step reads them); fastest of interleaved rounds.
+oneDNN (what tokenmill runs otherwise). Each case walks as many weight copies as the model has layers of that shape,
+up to 96 MB (cold, as a decode step reads them); fastest of interleaved rounds.
 
     python benchmarks/quant_kernel.py [--rows 1,4,16,64] [--threads 2] [--out benchmarks/results/quant-kernel.json]
 """

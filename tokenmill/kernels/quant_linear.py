@@ -16,10 +16,10 @@ mins of GGUF are exact as they are). Scales are fp16 (exact for GGUF, as shipped
 
 Dispatch: the C kernels on a CPU where they build: int4 / int8 on a host with AVX-512 VNNI in an interleaved layout
 (``repack_x16``, kernels/cpu/quant_linear_vnni.c: 16 output rows a register, integer sums per 32-input block;
-3-4x the speed of the row-at-a-time kernel from 4 rows up, and faster than the dense float32 GEMM up to 64 rows
-here), elsewhere kernels/cpu/quant_linear.c (the weight bytes read once per call; fp8 widened to float32 a tile at a
-time), fp8 W8A8 through ``torch._scaled_mm`` on GPUs with fp8 (compute capability
-8.9 and up: per-token dynamic fp8 activations), the reference elsewhere.
+2-5x the speed of the row-at-a-time kernel from 8 rows up, and faster than the dense float32 GEMM up to 64 rows
+here: benchmarks/results/quant-kernel-vnni.json), elsewhere kernels/cpu/quant_linear.c (the weight bytes read once
+per call; fp8 widened to float32 a tile at a time); fp8 W8A8 through ``torch._scaled_mm`` on GPUs with fp8 (compute
+capability 8.9 and up: per-token dynamic fp8 activations); the reference elsewhere.
 """
 
 from __future__ import annotations

@@ -152,12 +152,11 @@ static void dot_rows(const float *w, const float *x, int64_t M, int64_t K, float
 // --- int4 / int8 weights against int8 activations
 
 // Each row of x [M][K] -> codes xq [M][K] and, per 32-input block, xd = its scale and xs = scale * sum of codes.
-// (Also quant_linear_vnni.c's.)
 // IEEE arithmetic here, whatever the build's flags: the reference divides 127 by amax exactly too, and a code at a
 // rounding tie (x * inv = 57.5 happens) moves with the last bit of inv.
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
-void tm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs) {
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs) {
     int64_t blocks = K / 32;
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t i = 0; i < M * blocks; i++) {
@@ -186,7 +185,8 @@ void tm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *x
         int sum = _mm_cvtsi128_si32(t);
         // int32 -> int8 in order: packs interleave 128-bit lanes, the permute restores 0..31.
         __m256i w16 = _mm256_packs_epi32(c[0], c[1]), z16 = _mm256_packs_epi32(c[2], c[3]);
-        __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, z16), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, z16),
+                                                 _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(xq + i * 32), b8);
 #else
         float amax = 0.0f;
@@ -204,6 +204,25 @@ void tm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *x
     }
 }
 #pragma GCC pop_options
+
+// quantize_rows into one allocation (this and quant_linear_vnni.c's kernels): *xd [M][K / 32], *xs likewise, *xq
+// [M][K]; free(*xd) releases all three. Returns 0, or -2 when memory runs out.
+int tm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t **xq, float **xd, float **xs) {
+    const int64_t blocks = K / 32;
+    float *buffer = (float *)malloc((size_t)(2 * M * blocks) * sizeof(float) + (size_t)(M * K));
+    if (!buffer) return -2;
+    *xd = buffer;
+    *xs = buffer + M * blocks;
+    *xq = (int8_t *)(buffer + 2 * M * blocks);
+    quantize_rows(x, M, K, *xq, *xd, *xs);
+    return 0;
+}
+
+// out [M][N] += bias [N] on every row.
+void tm_add_bias(float *out, int64_t M, int64_t N, const float *bias) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) out[m * N + n] += bias[n];
+}
 
 #ifdef TM_AVX2
 // The 32 codes of block b of an int4 / int8 weight row as unsigned bytes, and (int8) the signs to move onto x.
@@ -316,14 +335,9 @@ static void dot_int_pair(const uint8_t *q, int64_t row_bytes, const void *scales
 static int int_linear(const float *x, int64_t M, int64_t K, const void *q, const void *scales, const void *mins,
                       int scales_f32, int mins_f32, int64_t N, int kind, int64_t G, float *out) {
     int64_t blocks = K / 32, row_bytes = kind == KIND_INT4 ? K / 2 : K;
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
-    float *xd = (float *)malloc((size_t)(M * blocks) * sizeof(float));
-    float *xs = (float *)malloc((size_t)(M * blocks) * sizeof(float));
-    if (!xq || !xd || !xs) {
-        free(xq); free(xd); free(xs);
-        return -2;
-    }
-    tm_quantize_rows(x, M, K, xq, xd, xs);
+    int8_t *xq;
+    float *xd, *xs;
+    if (tm_quantize_rows(x, M, K, &xq, &xd, &xs) != 0) return -2;
     size_t scale_bytes = scales_f32 ? 4 : 2, min_bytes = mins_f32 ? 4 : 2;
     int64_t groups = (K + G - 1) / G;
 #ifdef TM_AVX2
@@ -333,7 +347,7 @@ static int int_linear(const float *x, int64_t M, int64_t K, const void *q, const
             dot_int_pair((const uint8_t *)q + n * row_bytes, row_bytes, (const char *)scales + n * groups * scale_bytes,
                          mins ? (const char *)mins + n * groups * min_bytes : NULL, scales_f32, mins_f32, kind, K, G,
                          xq, xd, xs, out + n, N - n > 1 ? 2 : 1);
-        free(xq); free(xd); free(xs);
+        free(xd);
         return 0;
     }
 #endif
@@ -350,7 +364,7 @@ static int int_linear(const float *x, int64_t M, int64_t K, const void *q, const
             dot_int_row(qn, sn, mn, scales_f32, mins_f32, kind, K, G, xq + r * K, xd + r * blocks, xs + r * blocks,
                         1, out + r * N + n, N);
     }
-    free(xq); free(xd); free(xs);
+    free(xd);
     return 0;
 }
 
@@ -375,9 +389,7 @@ int tm_quant_linear(const float *x, int64_t M, int64_t K, const void *q, const v
     if (K % 32 || G % 32 || G <= 0 || tile_rows % ROWS_PER_PASS || tile_rows <= 0 || kind < 0 || kind > 2) return -1;
     if (kind != KIND_FP8) {
         int code = int_linear(x, M, K, q, scales, mins, scales_f32, mins_f32, N, kind, G, out);
-        if (code == 0 && bias)
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t n = 0; n < N; n++) out[m * N + n] += bias[n];
+        if (code == 0 && bias) tm_add_bias(out, M, N, bias);
         return code;
     }
     int64_t row_bytes = K, groups = (K + G - 1) / G, tiles = (N + tile_rows - 1) / tile_rows;

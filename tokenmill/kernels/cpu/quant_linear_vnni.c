@@ -25,12 +25,14 @@ typedef struct {
     int32_t d_f32, m_f32, unused;
 } tm_x16_weight;
 
+int tm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t **xq, float **xd, float **xs);  // quant_linear.c
+void tm_add_bias(float *out, int64_t M, int64_t N, const float *bias);                           // quant_linear.c
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TM_VNNI 1
 #include <immintrin.h>
 
 #define TILE_M 8  // rows of x a tile keeps in registers (with the 8 unpacked steps of a block)
-
-int tm_x16_available(void) { return 1; }
 
 static inline __m512 load16(const void *p, int64_t i, int f32) {
     return f32 ? _mm512_loadu_ps((const float *)p + i)
@@ -84,9 +86,9 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
     for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(out + (m0 + r) * w->N + n0, live, acc[r]);
 }
 
-// xq [M][K], xd / xs [M][K / 32] as quant_linear.c's quantize_rows writes them -> out [M][N]. Returns 0.
-static int tm_x16_linear(const tm_x16_weight *w, const int8_t *xq, const float *xd, const float *xs, int64_t M,
-                         float *out) {
+// xq [M][K], xd / xs [M][K / 32] as tm_quantize_rows writes them -> out [M][N].
+static void x16_linear(const tm_x16_weight *w, const int8_t *xq, const float *xd, const float *xs, int64_t M,
+                       float *out) {
     const int64_t tiles = (w->N + 15) / 16;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
@@ -96,39 +98,31 @@ static int tm_x16_linear(const tm_x16_weight *w, const int8_t *xq, const float *
         if (M - m >= 2) { x16_tile(w, t, m, 2, xq, xd, xs, out); m += 2; }
         if (M - m >= 1) x16_tile(w, t, m, 1, xq, xd, xs, out);
     }
-    return 0;
 }
 
 #endif
 
-void tm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs);  // quant_linear.c
+int tm_x16_available(void) {
+#ifdef TM_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 // x [M][K] float32 -> out [M][N] (+ bias [N], or NULL). Returns 0, -1 where this build has no AVX-512 VNNI, -2 when
 // memory runs out.
 int tm_quant_linear_x16(const tm_x16_weight *w, const float *x, int64_t M, const float *bias, float *out) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    const int64_t blocks = w->K / 32;
-    int8_t *xq = (int8_t *)malloc((size_t)(M * w->K));
-    float *xd = (float *)malloc((size_t)(M * blocks) * sizeof(float));
-    float *xs = (float *)malloc((size_t)(M * blocks) * sizeof(float));
-    int code = xq && xd && xs ? 0 : -2;
-    if (code == 0) {
-        tm_quantize_rows(x, M, w->K, xq, xd, xs);
-        code = tm_x16_linear(w, xq, xd, xs, M, out);
-        if (code == 0 && bias)
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t n = 0; n < w->N; n++) out[m * w->N + n] += bias[n];
-    }
-    free(xq); free(xd); free(xs);
-    return code;
+#ifdef TM_VNNI
+    int8_t *xq;
+    float *xd, *xs;
+    if (tm_quantize_rows(x, M, w->K, &xq, &xd, &xs) != 0) return -2;
+    x16_linear(w, xq, xd, xs, M, out);
+    if (bias) tm_add_bias(out, M, w->N, bias);
+    free(xd);
+    return 0;
 #else
     (void)w; (void)x; (void)M; (void)bias; (void)out;
     return -1;
 #endif
 }
-
-#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
-
-int tm_x16_available(void) { return 0; }
-
-#endif

@@ -110,8 +110,6 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.dense_from_rows is not None and rows.shape[0] >= self.dense_from_rows:
             out = self.dense.run(rows) if self.dense is not None else F.linear(rows, self.weight, self.bias)
-        elif self.x16:
-            raise RuntimeError("a quantized layer repacked for the CPU kernel runs only on it (prepare_cpu)")
         else:
             out = quant_linear(rows, self.fmt, self.qweight, self.scales, self.mins, self.bias, self.kernels.backend)
         return out.view(*x.shape[:-1], self.out_features)
