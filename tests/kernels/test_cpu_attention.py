@@ -69,6 +69,29 @@ def test_random_batches_match_reference(seed):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("shapes,window", [([(700, 1)], 0), ([(300, 1), (517, 1)], 0), ([(450, 20)], 0),
+                                           ([(900, 1)], 333), ([(129, 1)], 0)])
+def test_few_long_sequences_split_along_the_cache(threads, shapes, window):
+    """Fewer work items than the threads want: each long segment is split into parts of its cache (whole blocks,
+    a window's start inside the first) whose softmax states are merged; the result is the reference's."""
+    from tokenmill.kernels.attention_features import AttentionFeatures
+
+    features = AttentionFeatures(window=window, softcap=3.0 if window else 0.0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = paged_batch(shapes, 9, 3, 64, "bf16", 4, num_blocks=700, q_dtype=torch.float32)
+        write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping)
+        args = (batch.q, batch.new_kv[:, :3], batch.new_kv[:, 3:], batch.data, batch.scales, batch.meta, 0.125)
+        want = paged_attention(*args, backend="torch", features=features)
+        batch.meta._derived.clear()
+        got = paged_attention(*args, backend="cpu", features=features)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_merge_equals_attention_over_the_union():
     """Two partial attentions over disjoint keys, merged by log-sum-exp, are attention over all the keys."""
     gen = torch.Generator().manual_seed(0)

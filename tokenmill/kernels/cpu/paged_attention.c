@@ -14,14 +14,16 @@
 // Output: out [N][Hq][D] float32 and lse [N][Hq] (natural log of the softmax denominator, scores scaled); a query
 // that sees no token gets out = 0, lse = -inf.
 // Online softmax over the cache one block at a time: each block's K/V are widened to float32 once per
-// (segment, KV head, query tile) and shared by the tile's G = Hq / Hkv heads of every query in it.
+// (segment, group of adjacent KV heads, query tile, part) and shared by the tile's G = Hq / Hkv query heads per KV
+// head. Too few such items for the threads (a lone long decode) -> segments are split along their cache into
+// parts whose softmax states are merged at the end (split-K, as flash decoding does).
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__F16C__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -90,6 +92,52 @@ static inline void widen(float *dst, const void *src, int64_t offset, int n, int
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The lane sums of eight vectors: lane j of the result = the sum of a[j]'s lanes.
+static inline __m256 sum_lanes8(const __m256 *a) {
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+#endif
+
+// scores[t] = qr . k_t for t < n (k_t at kbuf + t * stride). With AVX2 and D a multiple of 8, eight tokens at a
+// time: one accumulator chain per token, summed across lanes by one transpose-add (a single chain would wait on
+// every FMA's latency in turn). A last partial group repeats token n - 1 and keeps only the first n - t sums.
+static inline __attribute__((always_inline)) void dot_tokens(const float *restrict qr, const float *restrict kbuf,
+                                                             int n, int stride, const int D, float *restrict scores) {
+    int t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) {
+        for (; t < n; t += 8) {
+            const float *k[8];
+            for (int j = 0; j < 8; j++) k[j] = kbuf + (int64_t)(t + j < n ? t + j : n - 1) * stride;
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qr + d);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + d), a[j]);
+            }
+            if (t + 8 <= n) {
+                _mm256_storeu_ps(scores + t, sum_lanes8(a));
+            } else {
+                float last[8];
+                _mm256_storeu_ps(last, sum_lanes8(a));
+                memcpy(scores + t, last, sizeof(float) * (size_t)(n - t));
+            }
+        }
+        return;
+    }
+#endif
+    for (; t < n; t++) {
+        const float *restrict k = kbuf + (int64_t)t * stride;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int d = 0; d < D; d++) s += qr[d] * k[d];
+        scores[t] = s;
+    }
+}
+
 // One query-head row over one widened block of n tokens (token t's head at kbuf + t * stride): scores, the online-softmax update of (m, l), acc += p V.
 // Always inlined with D a constant where the caller knows it (64, 128): the loops unroll and the accumulator row
 // stays in registers.
@@ -97,13 +145,10 @@ static inline __attribute__((always_inline)) void row_over_block(
         const float *restrict qr, float *restrict a, const float *restrict kbuf, const float *restrict vbuf, int n,
         int stride, const int D, float sm_scale, float softcap, float *restrict m, float *restrict l,
         float *restrict scores) {
+    dot_tokens(qr, kbuf, n, stride, D, scores);
     float block_max = NEG_BIG;
     for (int t = 0; t < n; t++) {
-        const float *restrict k = kbuf + (int64_t)t * stride;
-        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-        for (int d = 0; d < D; d++) s += qr[d] * k[d];
-        s *= sm_scale;
+        float s = scores[t] * sm_scale;
         if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
         scores[t] = s;
         block_max = s > block_max ? s : block_max;
@@ -131,28 +176,32 @@ static inline __attribute__((always_inline)) void row_over_block(
     for (int d = 0; d < D; d++) a[d] = acc[d];
 }
 
-// KV heads h0 .. h0 + hc - 1 of one tile of queries over tokens kv_first .. kv_len - 1 of a request's cache. Rows
-// are (query, head, group member): r = (qi * hc + hh) * G + g.
-static void attend_tile(const float *q, float *out, float *lse, const void *cache, const float *scales, int kind,
-                        const int64_t *blocks, int kv_first, int kv_len, int q_first, int q_count, int h0, int hc,
-                        int Hq, int Hkv, int D, int block_size, float sm_scale, float softcap, float *kbuf,
+// The output row of tile row r: rows are (query, head, group member), r = (qi * hc + hh) * G + g.
+static inline int64_t tile_row(int r, int q_first, int h0, int hc, int G, int Hq) {
+    const int qi = r / (hc * G), hh = (r / G) % hc, g = r % G;
+    return (int64_t)(q_first + qi) * Hq + (h0 + hh) * G + g;
+}
+
+// KV heads h0 .. h0 + hc - 1 of one tile of queries over tokens kv_lo .. kv_hi - 1 of a request's cache. With
+// ``part`` NULL the finished rows go to out / lse; else the unnormalized state of each row r goes to
+// part + r * (D + 2): m, l, then the D accumulators (merged with the other parts' by merge_parts).
+static void attend_tile(const float *q, float *out, float *lse, float *part, const void *cache, const float *scales,
+                        int kind, const int64_t *blocks, int kv_lo, int kv_hi, int q_first, int q_count, int h0,
+                        int hc, int Hq, int Hkv, int D, int block_size, float sm_scale, float softcap, float *kbuf,
                         float *vbuf, float *acc, float *scores) {
     const int G = Hq / Hkv, rows = q_count * hc * G, slots = 2 * Hkv;
     float m[TILE_ROWS], l[TILE_ROWS];
     const float *qrow[TILE_ROWS];
-    int64_t out_row[TILE_ROWS];
     for (int r = 0; r < rows; r++) {
-        const int qi = r / (hc * G), hh = (r / G) % hc, g = r % G;
-        out_row[r] = (int64_t)(q_first + qi) * Hq + (h0 + hh) * G + g;
         m[r] = NEG_BIG;
         l[r] = 0.0f;
-        qrow[r] = q + out_row[r] * D;
+        qrow[r] = q + tile_row(r, q_first, h0, hc, G, Hq) * D;
         memset(acc + (int64_t)r * D, 0, (size_t)D * sizeof(float));
     }
     const int width = hc * D;  // floats of one token's K (or V) heads in the buffers
-    for (int start = kv_first - kv_first % block_size; start < kv_len; start += block_size) {
-        const int skip = kv_first > start ? kv_first - start : 0;  // the window starts inside this block
-        const int n = (kv_len - start < block_size ? kv_len - start : block_size) - skip;
+    for (int start = kv_lo - kv_lo % block_size; start < kv_hi; start += block_size) {
+        const int skip = kv_lo > start ? kv_lo - start : 0;  // the range starts inside this block
+        const int n = (kv_hi - start < block_size ? kv_hi - start : block_size) - skip;
         const int64_t block = blocks[start / block_size];
         for (int t = 0; t < n; t++) {
             const int64_t token = block * block_size + skip + t;
@@ -180,35 +229,100 @@ static void attend_tile(const float *q, float *out, float *lse, const void *cach
         }
     }
     for (int r = 0; r < rows; r++) {
+        const float *a = acc + (int64_t)r * D;
+        if (part) {
+            float *p = part + (int64_t)r * (D + 2);
+            p[0] = m[r];
+            p[1] = l[r];
+            memcpy(p + 2, a, (size_t)D * sizeof(float));
+            continue;
+        }
+        const int64_t o = tile_row(r, q_first, h0, hc, G, Hq);
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int d = 0; d < D; d++) out[out_row[r] * D + d] = acc[(int64_t)r * D + d] * inv;
-        if (lse) lse[out_row[r]] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
+        for (int d = 0; d < D; d++) out[o * D + d] = a[d] * inv;
+        if (lse) lse[o] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
     }
 }
 
-// Returns 0, or -1 when a thread's scratch could not be allocated (then some rows are left unwritten).
+// The parts' states of one tile (parts blocks of TILE_ROWS * (D + 2) floats, rows as in attend_tile) -> its
+// finished rows: out = sum(acc_p e^(m_p - M)) / L, L = sum(l_p e^(m_p - M)), M the largest m_p.
+static void merge_parts(const float *state, int parts, int rows, float *out, float *lse, int q_first, int h0, int hc,
+                        int G, int Hq, int D) {
+    const int64_t stride = (int64_t)TILE_ROWS * (D + 2);
+    for (int r = 0; r < rows; r++) {
+        float top = NEG_BIG, total = 0.0f;
+        for (int p = 0; p < parts; p++) {
+            const float mp = state[p * stride + (int64_t)r * (D + 2)];
+            top = mp > top ? mp : top;
+        }
+        const int64_t o = tile_row(r, q_first, h0, hc, G, Hq);
+        float *dst = out + o * D;
+        memset(dst, 0, (size_t)D * sizeof(float));
+        for (int p = 0; p < parts; p++) {
+            const float *s = state + p * stride + (int64_t)r * (D + 2);
+            const float w = expf(s[0] - top);
+            total += s[1] * w;
+            for (int d = 0; d < D; d++) dst[d] += s[2 + d] * w;
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int d = 0; d < D; d++) dst[d] *= inv;
+        if (lse) lse[o] = total > 0.0f ? top + logf(total) : -INFINITY;
+    }
+}
+
+
+#define MIN_PART_BLOCKS 8  // a segment is split into parts of at least this many cache blocks
+
+// Returns 0, or -1 when scratch memory could not be allocated (then some rows are left unwritten).
 int tm_paged_attention(const float *q, float *out, float *lse, const void *cache, const float *scales, int kind,
                        const int64_t *block_tables, int64_t table_stride, const int32_t *req, const int32_t *q_start,
                        const int32_t *q_len, const int32_t *kv_first, const int32_t *kv_len, int num_segments, int Hq,
                        int Hkv, int D, int block_size, float sm_scale, float softcap, int threads) {
     const int G = Hq / Hkv;
-    // A work item takes every KV head of its queries (one sweep over each token's contiguous K/V heads) when there
-    // are enough segments to keep the threads busy; else one head (more, smaller items).
-    const int hc = num_segments >= 2 * threads && G * Hkv <= TILE_ROWS ? Hkv : 1;
+    // A work item sweeps hc adjacent KV heads of its queries over a part of their cache: the most heads that keep
+    // a tile's rows within TILE_ROWS and one token's K run within 256 floats (the widened block stays in L1), so
+    // the cache is read in long runs.
+    int hc = 1;
+    for (int c = Hkv; c > 1; c--)
+        if (Hkv % c == 0 && c * G <= TILE_ROWS && c * D <= 256) {
+            hc = c;
+            break;
+        }
     const int tile_queries = TILE_ROWS / (G * hc) > 0 ? TILE_ROWS / (G * hc) : 1;
     const int head_groups = Hkv / hc;
-    // Work items: (segment, head group, query tile), numbered through the prefix sums below.
-    int64_t total = 0;
-    int64_t *first = malloc(sizeof(int64_t) * (size_t)(num_segments + 1));
-    if (!first) return -1;
+    // Work items: (segment, query tile, head group, part), numbered through the prefix sums below. Too few of them
+    // for the threads (one long decode: a few heads) -> segments are split along their cache into parts of at
+    // least MIN_PART_BLOCKS blocks, merged afterwards.
+    int64_t base = 0;
+    for (int s = 0; s < num_segments; s++)
+        base += (int64_t)head_groups * ((q_len[s] + tile_queries - 1) / tile_queries);
+    const int64_t wanted = 4 * (int64_t)threads;
+    const int split = threads > 1 && base > 0 && base < wanted ? (int)((wanted + base - 1) / base) : 1;
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(2 * num_segments + 2));
+    int *parts = malloc(sizeof(int) * (size_t)(num_segments + 1));
+    if (!first || !parts) {
+        free(first);
+        free(parts);
+        return -1;
+    }
+    int64_t *state_at = first + num_segments + 1;  // float offset of a split segment's part states
+    int64_t total = 0, states = 0;
     for (int s = 0; s < num_segments; s++) {
+        const int blocks = kv_len[s] > kv_first[s]
+                               ? (kv_len[s] - 1) / block_size - kv_first[s] / block_size + 1 : 0;
+        const int most = blocks / MIN_PART_BLOCKS;
+        parts[s] = split < most ? split : (most > 1 ? most : 1);
+        const int64_t tiles = (q_len[s] + tile_queries - 1) / tile_queries;
         first[s] = total;
-        total += (int64_t)head_groups * ((q_len[s] + tile_queries - 1) / tile_queries);
+        total += head_groups * tiles * parts[s];
+        state_at[s] = states;
+        if (parts[s] > 1) states += head_groups * tiles * parts[s] * (int64_t)TILE_ROWS * (D + 2);
     }
     first[num_segments] = total;
-    int failed = 0;
+    float *state = states ? malloc(sizeof(float) * (size_t)states) : NULL;
+    int failed = states && !state;
     const size_t width = (size_t)hc * D;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (!failed)
     {
         float *scratch = malloc(sizeof(float) * (2 * block_size * width + (size_t)TILE_ROWS * D + block_size));
         if (!scratch) {
@@ -218,20 +332,46 @@ int tm_paged_attention(const float *q, float *out, float *lse, const void *cache
         int s = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < total; item++) {
-            if (!scratch) continue;
+            if (!scratch || failed) continue;
             while (first[s + 1] <= item) s++;
             while (first[s] > item) s--;
             const int64_t local = item - first[s];
-            const int h0 = (int)(local % head_groups) * hc, tile = (int)(local / head_groups);
+            const int part = (int)(local % parts[s]), group = (int)(local / parts[s]);
+            const int h0 = (group % head_groups) * hc, tile = group / head_groups;
             const int q0 = tile * tile_queries;
             const int count = q_len[s] - q0 < tile_queries ? q_len[s] - q0 : tile_queries;
+            int lo = kv_first[s], hi = kv_len[s];
+            float *state_out = NULL;
+            if (parts[s] > 1) {  // whole blocks: part p takes blocks [b0 + p * nb / parts, b0 + (p + 1) * nb / parts)
+                const int b0 = kv_first[s] / block_size, nb = (kv_len[s] - 1) / block_size - b0 + 1;
+                const int from = (b0 + (int)((int64_t)part * nb / parts[s])) * block_size;
+                const int to = (b0 + (int)((int64_t)(part + 1) * nb / parts[s])) * block_size;
+                lo = from > lo ? from : lo;
+                hi = to < hi ? to : hi;
+                state_out = state + state_at[s] + local * (int64_t)TILE_ROWS * (D + 2);
+            }
             float *kbuf = scratch, *vbuf = kbuf + block_size * width, *acc = vbuf + block_size * width;
-            attend_tile(q, out, lse, cache, scales, kind, block_tables + (int64_t)req[s] * table_stride,
-                        kv_first[s], kv_len[s], q_start[s] + q0, count, h0, hc, Hq, Hkv, D, block_size, sm_scale,
-                        softcap, kbuf, vbuf, acc, acc + (size_t)TILE_ROWS * D);
+            attend_tile(q, out, lse, state_out, cache, scales, kind, block_tables + (int64_t)req[s] * table_stride, lo,
+                        hi, q_start[s] + q0, count, h0, hc, Hq, Hkv, D, block_size, sm_scale, softcap, kbuf, vbuf,
+                        acc, acc + (size_t)TILE_ROWS * D);
+        }
+        if (states) {  // the split segments' tiles, each merged from its parts (after the loop's barrier)
+#pragma omp for schedule(dynamic, 1)
+            for (int t = 0; t < num_segments; t++) {
+                if (parts[t] == 1 || failed) continue;
+                const int64_t groups = (first[t + 1] - first[t]) / parts[t];
+                for (int64_t group = 0; group < groups; group++) {
+                    const int h0 = (int)(group % head_groups) * hc, q0 = (int)(group / head_groups) * tile_queries;
+                    const int count = q_len[t] - q0 < tile_queries ? q_len[t] - q0 : tile_queries;
+                    merge_parts(state + state_at[t] + group * parts[t] * (int64_t)TILE_ROWS * (D + 2), parts[t],
+                                count * hc * G, out, lse, q_start[t] + q0, h0, hc, G, Hq, D);
+                }
+            }
         }
         free(scratch);
     }
+    free(state);
+    free(parts);
     free(first);
     return failed ? -1 : 0;
 }
