@@ -1,6 +1,6 @@
 """The quantized linear kernels on this CPU, at SmolLM2's shapes, against the alternatives: tokenmill's C kernels
 (int4 / int8 weights x int8 activations: kernels/cpu/quant_linear.c row at a time, int4 with fp16 and with float32
-scales; and, on a host with AVX-512 VNNI, kernels/cpu/quant_linear_vnni.c over the interleaved layout),
+scales; and, on a host with AVX-512 VNNI or AVX2, kernels/cpu/quant_linear_x16.c over the interleaved layout),
 PyTorch's own int4 CPU matmul (``_weight_int4pack_mm_for_cpu``: bf16 activations, (q - 8) * scale + zero) and int8
 weight-only matmul (``_weight_int8pack_mm``, per channel), and the dense float32 and bfloat16 weights packed for
 oneDNN (what tokenmill runs otherwise). Each case walks as many weight copies as the model has layers of that shape,
@@ -75,12 +75,13 @@ def main() -> int:
                 xb = x.bfloat16()
                 works = {
                     "dense fp32 packed": lambda: [packed_linear(x, p, None) for p in packed],
-                    "dense bf16 packed": lambda: [packed_linear(xb, p, None) for p in packed_bf16],
+                    **({"dense bf16 packed": lambda: [packed_linear(xb, p, None) for p in packed_bf16]}
+                       if all(p is not None for p in packed_bf16) else {}),  # oneDNN packs bf16 from AVX-512 up
                     "tokenmill int4-g32 (fp16 scales)": lambda: [k(x) for k in k4],
                     "tokenmill int4-g32 (fp32 scales)": lambda: [k(x) for k in k4f],
                     "tokenmill int8-g32": lambda: [k(x) for k in k8],
-                    **({"tokenmill int4-g32 interleaved (VNNI)": lambda: [k(x) for k in k4x],
-                        "tokenmill int8-g32 interleaved (VNNI)": lambda: [k(x) for k in k8x]} if x16 else {}),
+                    **({"tokenmill int4-g32 interleaved": lambda: [k(x) for k in k4x],
+                        "tokenmill int8-g32 interleaved": lambda: [k(x) for k in k8x]} if x16 else {}),
                     "torch int4 (bf16 activations)": lambda: [
                         torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, 32, sz) for w in torch_int4],
                     "torch int8 weight-only (per channel)": lambda: [

@@ -1,11 +1,15 @@
 """Quantized linear layers: the C kernel against its PyTorch reference, the reference against the formats' own
 definitions (gguf's dequantization, bit for bit; the rounding bound of round-to-nearest), and the formats' parsing."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
-from tokenmill.kernels.cpu_native import library
+from tokenmill.kernels.cpu_native import EXTRA_FLAGS_ENV, library, x16_register_rows
 from tokenmill.kernels.quant_linear import (WeightFormat, dequantize, pack_int4, quant_linear_cpu,
                                             quant_linear_reference, quantize, quantize_activations, repack_x16,
                                             unpack_int4, unpack_x16)
@@ -80,7 +84,7 @@ def test_fp8_per_channel_round_trip():
 @pytest.mark.parametrize("name", ["int4-g32", "int4-g64", "int4-g128-zp", "int8-ch", "int8-g32", "int8-g64-zp"])
 @pytest.mark.parametrize("rows", [16, 37])
 def test_interleaved_layout_round_trips(name, rows):
-    """The AVX-512 VNNI kernel's layout holds the same codes, scales and mins (37 rows: a padded last tile)."""
+    """The interleaved kernel's layout holds the same codes, scales and mins (37 rows: a padded last tile)."""
     fmt = WeightFormat.parse(name)
     t = weights(fmt, rows, 160)
     packed = repack_x16(fmt, t["qweight"], t["scales"], t.get("mins"))
@@ -103,13 +107,28 @@ def test_kernel_over_a_layer_held_interleaved(name):
     from tokenmill.kernels.cpu_native import x16_available
     from tokenmill.kernels.quant_linear import CPUQuantMatmul
     if not x16_available():
-        pytest.skip("this host's build has no AVX-512 VNNI")
+        pytest.skip("this host's build has neither AVX-512 VNNI nor AVX2")
     fmt = WeightFormat.parse(name)
     t = weights(fmt, 37, 160)
     x = torch.randn(6, 160)
     held = CPUQuantMatmul(fmt, *repack_x16(fmt, t["qweight"], t["scales"], t.get("mins")), repacked_rows=37)
     ref = quant_linear_reference(x, fmt, t["qweight"], t["scales"], t.get("mins"), int8_activations=True)
     torch.testing.assert_close(held(x), ref, rtol=1e-4, atol=5e-4)
+
+
+@needs_kernels
+@pytest.mark.skipif(x16_register_rows() != 16, reason="no AVX-512 VNNI build here: the tests above ran the AVX2 one")
+def test_the_avx2_build_on_an_avx512_host():
+    """The kernel tests again against the library built without AVX-512 (the build an AVX2-only host gets)."""
+    env = {**os.environ, EXTRA_FLAGS_ENV: "-mno-avx512f"}
+    rows = subprocess.run([sys.executable, "-c", "from tokenmill.kernels.cpu_native import x16_register_rows as r; "
+                           "print(r())"], env=env, capture_output=True, text=True, timeout=300)
+    assert rows.stdout.strip() == "8", rows.stderr[-2000:]
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                            "kernel_matches_reference or held_interleaved or other_activation"],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert tests.returncode == 0, tests.stdout[-3000:]
+    assert " passed" in tests.stdout and " failed" not in tests.stdout
 
 
 @needs_kernels

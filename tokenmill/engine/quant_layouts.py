@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # ((out, in, format name, dense_from_rows), ...): the settled table of quantized candidates.
 # The row counts timed: fine where the quantized kernel's time (it grows with the rows) crosses the dense GEMM's.
 # The row-at-a-time kernel crosses between 4 and 16 rows (at 12-14 rows, on thresholds probed only at 4 and 16, it
-# ran 1.1-1.4x slower than dense: an AVX-512 Xeon, SmolLM2's shapes); the interleaved VNNI kernel between 16 and 64
+# ran 1.1-1.4x slower than dense: an AVX-512 Xeon, SmolLM2's shapes); the interleaved kernel between 16 and 64
 # (benchmarks/results/quant-kernel-vnni.json: against dense bf16 the 3072x576 layer crosses near 32 rows).
 QUANT_PROBE_ROWS = (1, 2, 4, 6, 8, 10, 12, 14, 16, 24, 32, 48, 64, 256)
 QuantLayouts = tuple[tuple[int, int, str, "int | None"], ...]

@@ -4,8 +4,8 @@ Why C through ctypes, not a torch C++ extension: the kernels need raw pointers a
 one small C file in about a second with the C compiler that torch.compile's inductor already needs on a CPU (no
 torch headers, no build step at install, nothing to go stale against a torch upgrade). ``-march=native`` makes
 each build the host's own (AVX2, AVX-512, ...), so the library is cached per source, compiler flags and CPU model
-under ``~/.cache/tokenmill/kernels`` (a shared cache directory across hosts gets one library per CPU model). No compiler, or a failed build: ``library()`` is None and callers use the PyTorch
-references (a warning says why).
+under ``~/.cache/tokenmill/kernels`` (a shared cache directory across hosts gets one library per CPU model). No
+compiler, or a failed build: ``library()`` is None and callers use the PyTorch references (a warning says why).
 
 The OpenMP runtime is the process's: torch's wheels load libgomp first, and the library links to it by soname.
 """
@@ -26,10 +26,13 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "cpu" / name
-                for name in ("paged_attention.c", "quant_linear.c", "quant_linear_vnni.c"))
+                for name in ("paged_attention.c", "quant_linear.c", "quant_linear_x16.c"))
 # fast-math's reassociation lets the reductions and expf vectorize (glibc's libmvec); finite sentinels are used in
 # place of infinities inside the loops.
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-ffast-math", "-fPIC", "-shared")
+# Extra compiler flags, appended (e.g. "-mno-avx512f" builds the AVX2 kernels on an AVX-512 host: how the tests
+# cover both builds on one machine).
+EXTRA_FLAGS_ENV = "TOKENMILL_CPU_KERNEL_FLAGS"
 DEFAULT_CACHE_DIR = "~/.cache/tokenmill/kernels"
 
 _lock = threading.Lock()
@@ -63,16 +66,17 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("CPU kernels: no C compiler found (cc, gcc, clang): the PyTorch references run instead")
         return None
+    flags = (*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split())
     key = hashlib.sha256()
     for source in SOURCES:
         key.update(source.read_bytes())
-    key.update(" ".join((compiler, *FLAGS, cpu_identity(), platform.machine())).encode())
+    key.update(" ".join((compiler, *flags, cpu_identity(), platform.machine())).encode())
     target = cache_dir / f"tokenmill_cpu_{key.hexdigest()[:16]}.so"
     if not target.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
             built = Path(tmp) / target.name
-            cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"]
+            cmd = [compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"]
             try:
                 result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             except (OSError, subprocess.TimeoutExpired) as exc:
@@ -98,7 +102,7 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
         ctypes.c_int64]
     lib.tm_quant_linear_prepared.restype = ctypes.c_int
     lib.tm_quant_linear_prepared.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    lib.tm_x16_available.restype = ctypes.c_int
+    lib.tm_x16_register_rows.restype = ctypes.c_int
     lib.tm_quant_linear_x16.restype = ctypes.c_int
     lib.tm_quant_linear_x16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                         ctypes.c_void_p]
@@ -114,16 +118,22 @@ class QuantWeight(ctypes.Structure):
 
 
 class X16Weight(ctypes.Structure):
-    """kernels/cpu/quant_linear_vnni.c's tm_x16_weight: a weight in the interleaved layout."""
+    """kernels/cpu/quant_linear_x16.c's tm_x16_weight: a weight in the interleaved layout."""
     _fields_ = [("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("K", ctypes.c_int64),
                 ("N", ctypes.c_int64), ("G", ctypes.c_int64), ("kind", ctypes.c_int32), ("d_f32", ctypes.c_int32),
                 ("m_f32", ctypes.c_int32), ("unused", ctypes.c_int32)]
 
 
-def x16_available() -> bool:
-    """Whether this host's build has the interleaved int4 / int8 kernel (AVX-512 VNNI)."""
+def x16_register_rows() -> int:
+    """Output rows per register of this host's interleaved int4 / int8 kernel: 16 (AVX-512 VNNI), 8 (AVX2) or 0
+    (no such build)."""
     lib = library()
-    return lib is not None and bool(lib.tm_x16_available())
+    return 0 if lib is None else int(lib.tm_x16_register_rows())
+
+
+def x16_available() -> bool:
+    """Whether this host's build has the interleaved int4 / int8 kernel (AVX-512 VNNI or AVX2)."""
+    return x16_register_rows() > 0
 
 
 def library(cache_dir: str = DEFAULT_CACHE_DIR) -> ctypes.CDLL | None:

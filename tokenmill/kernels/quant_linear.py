@@ -14,10 +14,11 @@ Format names (pure strings, so models/config.py names them without torch): ``<ki
 group a row), plus ``-zp`` where mins are float32 (exact for an integer zero point times an fp16 scale; the fp16
 mins of GGUF are exact as they are). Scales are fp16 (exact for GGUF, as shipped by AWQ/GPTQ), fp8's float32.
 
-Dispatch: the C kernels on a CPU where they build: int4 / int8 on a host with AVX-512 VNNI in an interleaved layout
-(``repack_x16``, kernels/cpu/quant_linear_vnni.c: 16 output rows a register, integer sums per 32-input block;
-2-5x the speed of the row-at-a-time kernel from 8 rows up, and faster than the dense float32 GEMM up to 64 rows
-here: benchmarks/results/quant-kernel-vnni.json), elsewhere kernels/cpu/quant_linear.c (the weight bytes read once
+Dispatch: the C kernels on a CPU where they build: int4 / int8 on a host with AVX-512 VNNI or AVX2 in an
+interleaved layout (``repack_x16``, kernels/cpu/quant_linear_x16.c: 16 (VNNI) or 8 (AVX2) output rows a register,
+integer sums per 32-input block; with VNNI 2-5x the speed of the row-at-a-time kernel from 8 rows up:
+benchmarks/results/quant-kernel-vnni.json; with AVX2 1.3x at one row, 1.6x at 16: quant-kernel-avx2.json),
+elsewhere kernels/cpu/quant_linear.c (the weight bytes read once
 per call; fp8 widened to float32 a tile at a time); fp8 W8A8 through ``torch._scaled_mm`` on GPUs with fp8 (compute
 capability 8.9 and up: per-token dynamic fp8 activations); the reference elsewhere.
 """
@@ -186,12 +187,12 @@ def quant_linear(x: torch.Tensor, fmt: WeightFormat, qweight: torch.Tensor, scal
     return quant_linear_reference(x, fmt, qweight, scales, mins, bias)
 
 
-X16_ROWS = 16  # output rows of one register in the interleaved layout (kernels/cpu/quant_linear_vnni.c)
+X16_ROWS = 16  # output rows of one register in the interleaved layout (kernels/cpu/quant_linear_x16.c)
 
 
 def repack_x16(fmt: WeightFormat, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """An int4 / int8 weight [N, K] -> kernels/cpu/quant_linear_vnni.c's interleaved layout (its header has the
+    """An int4 / int8 weight [N, K] -> kernels/cpu/quant_linear_x16.c's interleaved layout (its header has the
     bytes): codes uint8 [tiles, K / 32, 8, 32 (int4) | 64 (int8)], scales and mins [tiles, groups, 16] (float16 as
     given, else float32; mins None where the format has none); rows padded to a multiple of 16 with zeros. Lossless:
     the same codes, scales and mins in another order (int8 codes + 128), the same bytes where 16 divides N."""
@@ -244,9 +245,9 @@ class CPUQuantMatmul:
     """The C kernel over one weight, its constant arguments prepared once (a decode step makes over a hundred of
     these calls; building them per call cost ~30 us each). The weight tensors must stay where they are.
 
-    On a host whose build has AVX-512 VNNI (``x16_available``), int4 / int8 weights run in the interleaved layout:
-    given canonical tensors, the kernel keeps a repacked copy; ``repacked_rows=N`` says they are ``repack_x16``'s
-    already, of a weight of N rows (a layer that holds its weight that way)."""
+    On a host whose build has AVX-512 VNNI or AVX2 (``x16_available``), int4 / int8 weights run in the interleaved
+    layout: given canonical tensors, the kernel keeps a repacked copy; ``repacked_rows=N`` says they are
+    ``repack_x16``'s already, of a weight of N rows (a layer that holds its weight that way)."""
 
     def __init__(self, fmt: WeightFormat, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  bias: torch.Tensor | None = None, tile_rows: int = 0, repacked_rows: int | None = None,
@@ -257,7 +258,7 @@ class CPUQuantMatmul:
         self.fmt = fmt
         bias32 = bias.float().contiguous() if bias is not None else None
         # interleaved=False: the row-at-a-time kernel even where the interleaved one runs (benchmarks compare them)
-        if repacked_rows is not None or (interleaved and fmt.kind != "fp8" and lib.tm_x16_available()):
+        if repacked_rows is not None or (interleaved and fmt.kind != "fp8" and lib.tm_x16_register_rows()):
             if repacked_rows is None:
                 repacked_rows = qweight.shape[0]
                 qweight, scales, mins = repack_x16(fmt, qweight, scales, mins)

@@ -205,7 +205,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
 }
 #pragma GCC pop_options
 
-// quantize_rows into one allocation (this and quant_linear_vnni.c's kernels): *xd [M][K / 32], *xs likewise, *xq
+// quantize_rows into one allocation (this and quant_linear_x16.c's kernels): *xd [M][K / 32], *xs likewise, *xq
 // [M][K]; free(*xd) releases all three. Returns 0, or -2 when memory runs out.
 int tm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t **xq, float **xd, float **xs) {
     const int64_t blocks = K / 32;

@@ -65,9 +65,9 @@ class QuantLinear(nn.Module):
 
     def prepare_cpu(self) -> None:
         """Bind the CPU kernel to this layer's buffers (after loading, with the "cpu" kernel backend); moving the
-        buffers afterwards needs another call. Where the host has the interleaved int4 / int8 kernel (AVX-512 VNNI),
-        the buffers are repacked into its layout once (``x16``, lossless, the same bytes where 16 divides the rows):
-        from then on only that kernel reads them."""
+        buffers afterwards needs another call. Where the host has the interleaved int4 / int8 kernel (AVX-512 VNNI
+        or AVX2), the buffers are repacked into its layout once (``x16``, lossless, the same bytes where 16 divides
+        the rows): from then on only that kernel reads them."""
         use = self.kernels.backend == "cpu" and self.qweight.device.type == "cpu" and library() is not None
         if not use:
             if self.x16:  # another backend reads the format's own layout
@@ -96,7 +96,7 @@ class QuantLinear(nn.Module):
         return self.qweight, self.scales, self.mins
 
     def drop_identity_order(self) -> None:
-        """After loading: an input permutation that is the identity (a layer whose g_idx was consecutive) is not kept."""
+        """After loading: an input permutation that is the identity (a layer whose g_idx was consecutive) is dropped."""
         perm = self.input_perm
         if perm is not None and torch.equal(perm, torch.arange(self.in_features, dtype=perm.dtype, device=perm.device)):
             self.input_perm = None

@@ -1,6 +1,10 @@
-// int4 / int8 weights x int8 activations on AVX-512 VNNI (vpdpbusd), over a weight repacked once at load so that
-// the 16 int32 lanes of a register are 16 output rows: the products of a 32-input block add up in integers, and the
-// float work (widen, scale, min term) is one register per block for 16 outputs, with no horizontal sums.
+// int4 / int8 weights x int8 activations over a weight repacked once at load so that the int32 lanes of a register are
+// output rows: the products of a 32-input block add up in integers, and the float work (widen, scale, min term) is
+// one register per block for 8 or 16 outputs, with no horizontal sums. Two builds of one layout:
+// - AVX-512 VNNI (vpdpbusd): a register is a whole tile of 16 rows;
+// - AVX2 (vpmaddubsw): a register is half a tile (rows 0..7, then rows 8..15), and int8 codes go back to signed
+//   (code - 128) with their sign moved onto x, as quant_linear.c does, since u8 * s8 pairs of + 128 codes would
+//   saturate vpmaddubsw's int16 sums.
 //
 // Same formats and arithmetic as quant_linear.c (see its header): activations quantized per 32-input block (codes xq,
 // scale xd, xs = xd * sum of codes); out = sum over blocks of (scale * xd) * (codes . xq) + min * xs.
@@ -86,6 +90,85 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
     for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(out + (m0 + r) * w->N + n0, live, acc[r]);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TM_X16_AVX2 1
+#include <immintrin.h>
+
+#define TILE_M 4  // rows of x a half tile keeps in registers (int16 sums and float accumulators)
+
+static inline __m256 load8(const void *p, int64_t i, int f32) {
+    return f32 ? _mm256_loadu_ps((const float *)p + i)
+               : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+}
+
+// out[m0 + r][16 t + 8 half ..] for r < MR: one half tile (8 rows) over every block.
+static inline __attribute__((always_inline)) void x16_half(const tm_x16_weight *w, int64_t t, int half, int64_t m0,
+                                                           const int MR, const int8_t *xq, const float *xd,
+                                                           const float *xs, float *out) {
+    const int64_t blocks = w->K / 32, per_group = w->G / 32, groups = (w->K + w->G - 1) / w->G;
+    const int64_t step_bytes = w->kind == 0 ? 32 : 64;
+    const uint8_t *qt = w->q + t * blocks * 8 * step_bytes + (w->kind == 0 ? 0 : 32 * half);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE_M];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *qb = qt + b * 8 * step_bytes;
+        __m256i dot[TILE_M];
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; r++) dot[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qb + step_bytes * s));
+#pragma GCC unroll 4
+            for (int r = 0; r < MR; r++) {
+                int32_t x4;
+                memcpy(&x4, xq + (m0 + r) * w->K + 32 * b + 4 * s, 4);
+                const __m256i xv = _mm256_set1_epi32(x4);
+                if (w->kind == 0) {  // u8 codes <= 15: 8 steps of pair sums stay within int16 (8 * 2 * 15 * 127)
+                    const __m256i q = _mm256_and_si256(half ? _mm256_srli_epi16(v, 4) : v, nibble);
+                    dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(q, xv));
+                } else {  // signed codes: |code| as u8, its sign onto x; each step's pair sums widened to int32
+                    const __m256i q = _mm256_xor_si256(v, flip);
+                    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q));
+                    dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+        const int64_t at = (t * groups + b / per_group) * 16 + 8 * half;
+        const __m256 d = load8(w->d, at, w->d_f32), m = w->m ? load8(w->m, at, w->m_f32) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; r++) {
+            const __m256i sums = w->kind == 0 ? _mm256_madd_epi16(dot[r], ones) : dot[r];
+            const int64_t xi = (m0 + r) * blocks + b;
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(xd[xi])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[xi]), acc[r]);
+        }
+    }
+    const int64_t n0 = 16 * t + 8 * half, live = w->N - n0 < 8 ? w->N - n0 : 8;
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++) {
+        if (live == 8) {
+            _mm256_storeu_ps(out + (m0 + r) * w->N + n0, acc[r]);
+        } else if (live > 0) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, acc[r]);
+            memcpy(out + (m0 + r) * w->N + n0, lanes, sizeof(float) * (size_t)live);
+        }
+    }
+}
+
+// Both halves of tile t (the second reads the tile's bytes from cache).
+static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *w, int64_t t, int64_t m0,
+                                                           const int MR, const int8_t *xq, const float *xd,
+                                                           const float *xs, float *out) {
+    x16_half(w, t, 0, m0, MR, xq, xd, xs, out);
+    x16_half(w, t, 1, m0, MR, xq, xd, xs, out);
+}
+
+#endif
+
+#if defined(TM_VNNI) || defined(TM_X16_AVX2)
 // xq [M][K], xd / xs [M][K / 32] as tm_quantize_rows writes them -> out [M][N].
 static void x16_linear(const tm_x16_weight *w, const int8_t *xq, const float *xd, const float *xs, int64_t M,
                        float *out) {
@@ -102,18 +185,21 @@ static void x16_linear(const tm_x16_weight *w, const int8_t *xq, const float *xd
 
 #endif
 
-int tm_x16_available(void) {
-#ifdef TM_VNNI
-    return 1;
+// Output rows a register holds: 16 (AVX-512 VNNI), 8 (AVX2), 0 where this build has neither.
+int tm_x16_register_rows(void) {
+#if defined(TM_VNNI)
+    return 16;
+#elif defined(TM_X16_AVX2)
+    return 8;
 #else
     return 0;
 #endif
 }
 
-// x [M][K] float32 -> out [M][N] (+ bias [N], or NULL). Returns 0, -1 where this build has no AVX-512 VNNI, -2 when
-// memory runs out.
+// x [M][K] float32 -> out [M][N] (+ bias [N], or NULL). Returns 0, -1 where this build has neither AVX-512 VNNI nor
+// AVX2, -2 when memory runs out.
 int tm_quant_linear_x16(const tm_x16_weight *w, const float *x, int64_t M, const float *bias, float *out) {
-#ifdef TM_VNNI
+#if defined(TM_VNNI) || defined(TM_X16_AVX2)
     int8_t *xq;
     float *xd, *xs;
     if (tm_quantize_rows(x, M, w->K, &xq, &xd, &xs) != 0) return -2;
