@@ -5,7 +5,8 @@
 #      tiny DeepSeek-V3 on the Triton kernels equal the CPU reference path's (fp32), CUDA-graph decode equal to eager,
 #      and decode tokens/s with and without graphs;
 #   3. benchmarks/kernels.py: GB/s, TFLOP/s and % of peak for the KV write, paged attention, MLA decode and fused MoE
-#      at SmolLM2 and DeepSeek-V3 shapes, batch 1-256;
+#      at SmolLM2 and DeepSeek-V3 shapes, and the fp8 W8A8 / int4 dense linear layers against bf16 (issue 25),
+#      batch 1-256;
 #   4. benchmarks/dsa_decode.py: DeepSeek Sparse Attention's decode against dense MLA, 1k-64k tokens of context.
 # Before it, here: `bash benchmarks/gpu_wheels.sh` (what the GPU machine lacks). Then, through the device tool:
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".gpu"], timeout_s=540)

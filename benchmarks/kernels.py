@@ -1,4 +1,5 @@
-"""Kernel benchmark: each Triton kernel against its baselines at SmolLM2 and DeepSeek shapes, batch 1..256.
+"""Kernel benchmark: each Triton kernel against its baselines at SmolLM2 and DeepSeek shapes, batch 1..256, and the
+quantized dense linear layers (fp8 W8A8, int4 weight-only) against the dense GEMM.
 
 For every case it prints the time of the Triton kernel and of each baseline (the PyTorch reference the CPU runs;
 for attention also ``scaled_dot_product_attention`` over dense, unpaged 16-bit K/V: what paging and fp8 must
@@ -31,6 +32,7 @@ from tokenmill.kernels.kv_write import write_kv
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kernels.mla import mla_decode
 from tokenmill.kernels.paged_attention import paged_attention
+from tokenmill.kernels.quant_linear import WeightFormat, fp8_w8a8_linear, quant_linear, quantize
 
 # Dense peak (no sparsity): (bf16 TFLOP/s, fp8 TFLOP/s, memory TB/s), by a substring of the device name.
 PEAKS = {"H200": (989.0, 1979.0, 4.8), "H100": (989.0, 1979.0, 3.35), "A100": (312.0, None, 2.0),
@@ -55,11 +57,13 @@ FULL = dict(
     smollm2=Shape("SmolLM2-135M", kv_heads=3, q_heads=9, head_dim=64),
     v3=Shape("DeepSeek-V3", q_heads=128, rank=512, rope=64, experts=256, inter=2048, hidden=7168, top_k=8),
     v2_lite=Shape("DeepSeek-V2-Lite", q_heads=16, rank=512, rope=64, experts=64, inter=1408, hidden=2048, top_k=6),
+    # Dense linear layers (out, in): SmolLM2's gate_up and a Llama-3-8B down_proj.
+    linears=(("SmolLM2 gate_up", 3072, 576), ("Llama-3-8B down", 4096, 14336)),
     batches=(1, 4, 16, 64, 256), context=2048)
 SMOKE = dict(
     smollm2=Shape("SmolLM2-like (smoke)", kv_heads=2, q_heads=4, head_dim=32),
     v3=Shape("DeepSeek-like (smoke)", q_heads=4, rank=32, rope=16, experts=8, inter=32, hidden=48, top_k=2),
-    v2_lite=None, batches=(1, 4), context=40)
+    v2_lite=None, linears=(("linear (smoke)", 64, 128),), batches=(1, 4), context=40)
 
 
 def timer(device: torch.device, reps: int) -> Callable[[Callable[[], object]], float]:
@@ -203,6 +207,32 @@ def bench_fused_moe(table, time_fn, s: Shape, batch: int, dtype, device, fp8: bo
               time_fn(run["triton"]), {"torch": time_fn(run["torch"])}, flops, bytes_, fp8_math=fp8)
 
 
+@functools.lru_cache(maxsize=4)
+def linear_weights(out_features: int, in_features: int, dtype, device):
+    """A random weight in ``dtype`` and as fp8 per channel and int4 with groups of 128 (quantized once per shape)."""
+    w = torch.randn(out_features, in_features, device=device) / math.sqrt(in_features)
+    return w.to(dtype), {name: quantize(w, WeightFormat.parse(name)) for name in ("fp8-ch", "int4-g128")}
+
+
+def bench_quant_linear(table, time_fn, name: str, out_features: int, in_features: int, batch: int, dtype, device,
+                       fp8: bool):
+    """Issue 25's GPU formats against the dense GEMM: fp8 W8A8 (``torch._scaled_mm``, per-token activations) where
+    the GPU has fp8, and int4-g128 weight-only as the dispatch runs it (dequantize, then the dense GEMM)."""
+    dense, q = linear_weights(out_features, in_features, dtype, device)
+    x = torch.randn(batch, in_features, dtype=dtype, device=device)
+    baseline = {"dense": time_fn(lambda: F.linear(x, dense))}
+    flops = 2 * batch * out_features * in_features
+    activations = batch * (in_features + out_features) * x.element_size()
+    if fp8:
+        t = q["fp8-ch"]
+        table.add("linear fp8 w8a8", name, batch, time_fn(lambda: fp8_w8a8_linear(x, t["qweight"], t["scales"], None)),
+                  baseline, flops, out_features * in_features + activations, fp8_math=True)
+    fmt, t = WeightFormat.parse("int4-g128"), q["int4-g128"]
+    run = lambda: quant_linear(x, fmt, t["qweight"], t["scales"], t.get("mins"), backend="triton")  # noqa: E731
+    table.add("linear int4-g128 (weight-only)", name, batch, time_fn(run), baseline, flops,
+              out_features * in_features // 2 + activations)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU + TRITON_INTERPRET=1 works)")
@@ -236,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                     bench_fused_moe(table, time_fn, moe_shape, batch, dtype, device, fp8=False)
             if fp8:
                 bench_fused_moe(table, time_fn, v3, batch, dtype, device, fp8=True)
+            for name, out_features, in_features in cfg["linears"]:
+                bench_quant_linear(table, time_fn, name, out_features, in_features, batch, dtype, device, fp8)
     print(f"\n{table.markdown()}\n\ntotal {time.perf_counter() - start:.0f} s")
     if args.json:
         header, rows = table.rows[0], table.rows[1:]

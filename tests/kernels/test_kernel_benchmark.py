@@ -18,5 +18,6 @@ def test_kernel_benchmark_smoke_run_prints_every_kernel(capsys, monkeypatch):
     table = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
     kernels = {line.split(" | ")[0].removeprefix("| ") for line in table}
     assert kernels == {"kv_write fp8", "paged decode fp8 (GQA)", "MLA decode fp8", "fused MoE fp8 w8a8",
-                       "fused MoE float16" if DEVICE.type == "cpu" else "fused MoE bfloat16"}
+                       "fused MoE float16" if DEVICE.type == "cpu" else "fused MoE bfloat16", "linear fp8 w8a8",
+                       "linear int4-g128 (weight-only)"}
     assert {line.split(" | ")[2] for line in table} == {"1", "4"}
