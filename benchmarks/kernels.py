@@ -5,7 +5,8 @@ For every case it prints the time of the Triton kernel and of each baseline (the
 for attention also ``scaled_dot_product_attention`` over dense, unpaged 16-bit K/V: what paging and fp8 must
 compete with), the achieved TFLOP/s and GB/s of the Triton kernel, and their fraction of the GPU's peak
 (``PEAKS``; "n/a" for a GPU not listed). Bytes count what the kernel must move at least (weights of the experts
-actually hit, the cache entries read, the activations); FLOPs count multiply-adds twice.
+actually hit, the cache entries read, the activations); FLOPs count multiply-adds twice. For the quantized linear
+layers the "triton ms" column is the format's op as the dispatch runs it, and the baseline the dense GEMM.
 
     python benchmarks/kernels.py              # on a CUDA GPU (sized for < 5 min on one H200; not yet run on one)
     TRITON_INTERPRET=1 python benchmarks/kernels.py --smoke   # tiny shapes on CPU: proves the script runs

@@ -17,9 +17,9 @@ mins of GGUF are exact as they are). Scales are fp16 (exact for GGUF, as shipped
 Dispatch: the C kernels on a CPU where they build: int4 / int8 on a host with AVX-512 VNNI or AVX2 in an
 interleaved layout (``repack_x16``, kernels/cpu/quant_linear_x16.c: 16 (VNNI) or 8 (AVX2) output rows a register,
 integer sums per 32-input block; with VNNI 2-5x the speed of the row-at-a-time kernel from 8 rows up:
-benchmarks/results/quant-kernel-vnni.json; with AVX2 1.3x at one row, 1.6x at 16: quant-kernel-avx2.json),
-elsewhere kernels/cpu/quant_linear.c (the weight bytes read once
-per call; fp8 widened to float32 a tile at a time); fp8 W8A8 through ``torch._scaled_mm`` on GPUs with fp8 (compute
+benchmarks/results/quant-kernel-vnni.json; with AVX2 1.4-2.2x at one row but for the small 576x576 layer, 1.5-2.3x
+at 16-32 rows: quant-kernel-avx2.json), elsewhere kernels/cpu/quant_linear.c (the weight bytes read once per call;
+fp8 widened to float32 a tile at a time); fp8 W8A8 through ``torch._scaled_mm`` on GPUs with fp8 (compute
 capability 8.9 and up: per-token dynamic fp8 activations); the reference elsewhere.
 """
 
