@@ -15,8 +15,9 @@
 // that sees no token gets out = 0, lse = -inf.
 // Online softmax over the cache one block at a time: each block's K/V are widened to float32 once per
 // (segment, group of adjacent KV heads, query tile, part) and shared by the tile's G = Hq / Hkv query heads per KV
-// head. Too few such items for the threads (a lone long decode) -> segments are split along their cache into
-// parts whose softmax states are merged at the end (split-K, as flash decoding does).
+// head; the next block's are prefetched meanwhile, a slice per row. Too few such items for the threads (a lone
+// long decode) -> segments are split along their cache into parts whose softmax states are merged at the end
+// (split-K, as flash decoding does).
 
 #include <math.h>
 #include <stdint.h>
@@ -138,7 +139,8 @@ static inline __attribute__((always_inline)) void dot_tokens(const float *restri
     }
 }
 
-// One query-head row over one widened block of n tokens (token t's head at kbuf + t * stride): scores, the online-softmax update of (m, l), acc += p V.
+// One query-head row over one widened block of n tokens (token t's head at kbuf + t * stride): scores, the
+// online-softmax update of (m, l), acc += p V.
 // Always inlined with D a constant where the caller knows it (64, 128): the loops unroll and the accumulator row
 // stays in registers.
 static inline __attribute__((always_inline)) void row_over_block(
@@ -176,6 +178,23 @@ static inline __attribute__((always_inline)) void row_over_block(
     for (int d = 0; d < D; d++) a[d] = acc[d];
 }
 
+// The next cache block's K and V runs (``tokens`` tokens from ``first``, heads h0.., ``run`` bytes each), asked
+// into the caches a slice of tokens at a time: slice ``r`` of ``slices`` goes out before row r of the current block
+// is computed, so the loads overlap that compute. (Blocks sit at random places, where the hardware prefetcher does
+// not follow; all the lines at once would fill the core's miss buffers and stall it instead.)
+static inline void prefetch_slice(const char *cache, int64_t first, int tokens, int slots, int h0, int Hkv, int D,
+                                  int elem, int run, int r, int slices) {
+    const int from = (int)((int64_t)r * tokens / slices), to = (int)((int64_t)(r + 1) * tokens / slices);
+    const int64_t token_bytes = (int64_t)slots * D * elem, v_offset = (int64_t)Hkv * D * elem;
+    for (int t = from; t < to; t++) {
+        const char *k = cache + (first + t) * token_bytes + (int64_t)h0 * D * elem;
+        for (int off = 0; off < run; off += 64) {
+            __builtin_prefetch(k + off, 0, 3);
+            __builtin_prefetch(k + v_offset + off, 0, 3);
+        }
+    }
+}
+
 // The output row of tile row r: rows are (query, head, group member), r = (qi * hc + hh) * G + g.
 static inline int64_t tile_row(int r, int q_first, int h0, int hc, int G, int Hq) {
     const int qi = r / (hc * G), hh = (r / G) % hc, g = r % G;
@@ -199,6 +218,7 @@ static void attend_tile(const float *q, float *out, float *lse, float *part, con
         memset(acc + (int64_t)r * D, 0, (size_t)D * sizeof(float));
     }
     const int width = hc * D;  // floats of one token's K (or V) heads in the buffers
+    const int elem = kind == KIND_F32 ? 4 : kind == KIND_FP8 ? 1 : 2;  // bytes of one cache element
     for (int start = kv_lo - kv_lo % block_size; start < kv_hi; start += block_size) {
         const int skip = kv_lo > start ? kv_lo - start : 0;  // the range starts inside this block
         const int n = (kv_hi - start < block_size ? kv_hi - start : block_size) - skip;
@@ -216,7 +236,11 @@ static void attend_tile(const float *q, float *out, float *lse, float *part, con
                 widen(vbuf + (int64_t)t * width, cache, (token * slots + Hkv + h0) * D, width, kind, 1.0f);
             }
         }
+        const int has_next = start + block_size < kv_hi;
+        const int64_t next = has_next ? blocks[start / block_size + 1] * block_size : 0;
         for (int r = 0; r < rows; r++) {
+            if (has_next)
+                prefetch_slice((const char *)cache, next, block_size, slots, h0, Hkv, D, elem, width * elem, r, rows);
             const int hh = (r / G) % hc;
             float *a = acc + (int64_t)r * D;
             const float *k = kbuf + hh * D, *v = vbuf + hh * D;
