@@ -29,12 +29,13 @@ def test_static_decode_path_equals_eager(tmp_path, smollm_llm, kind, backend):
     llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="8MiB", max_model_len=96,
               max_num_seqs=6, kernel_backend=backend)
     prompts = [[(3 * i + j) % 50 + 200 for i in range(n)] for j, n in enumerate((5, 11, 17, 4, 9))]
-    # Different lengths: the batch shrinks 5 -> 1 as requests finish, padded to sizes 6, 4, 2, 1.
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (4, 9, 14, 19, 24)]
+    # Different lengths: the batch shrinks 5 -> 1 as requests finish, padded to sizes 6, 4, 2, 1 (few steps: the
+    # Triton case runs in the interpreter at ~0.6 s a step).
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (2, 4, 6, 8, 10)]
     want = [r.token_ids for r in llm.generate(prompts, params)]
     runner = llm.engine.runner
     runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, 6, 96, capture=False)
     assert [r.token_ids for r in llm.generate(prompts, params)] == want
-    assert runner.graphs.num_runs >= 20  # the decode steps went through the static path
+    assert runner.graphs.num_runs >= 9  # every decode step (the longest request's 10th token) took the static path
     assert len(runner.graphs.slot_mapping) == runner.kv_cache.spec.groups.num_groups == (2 if kind == "gpt-oss" else 1)
     llm.engine.scheduler.check_integrity()

@@ -63,8 +63,9 @@ def test_negative_slots_write_nothing(kv_dtype):
                                               ("fp8", torch.bfloat16), ("fp16", torch.float16),
                                               ("bf16", torch.bfloat16), ("bf16", torch.float32),
                                               ("fp32", torch.float32)])
-@pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("num_splits", [1, 3])
+# Each dtype pair in two layouts, small blocks split three ways and large blocks whole: the interpreter takes seconds
+# a case (fp8 most), and test_random_batches_match_reference below draws block sizes and splits at random.
+@pytest.mark.parametrize("block_size,num_splits", [(4, 3), (16, 1)])
 def test_paged_attention_matches_reference(kv_dtype, q_dtype, block_size, num_splits):
     from tokenmill.kernels.triton.paged_attention import paged_attention_triton
 

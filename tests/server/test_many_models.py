@@ -52,8 +52,12 @@ fallbacks = ["smol"]
 """
 
 
-def test_two_models_one_endpoint(tmp_path, smollm_llm):
+def test_two_models_one_endpoint(tmp_path, smollm_llm, monkeypatch):
     from tokenmill import SamplingParams
+
+    # The fleet shares the cores out among its engines only where no thread count is set (server/fleet_plan.py);
+    # tests/conftest.py sets one for every server, under which two busy engines would fight over both cores.
+    monkeypatch.delenv("TOKENMILL_NUM_THREADS")
 
     tiny = make_llama_checkpoint(tmp_path / "tiny", smollm_llm)
     (tmp_path / "models.toml").write_text(TOML.format(path=tmp_path / "tiny"))
