@@ -134,6 +134,23 @@ def test_models_loaded_at_once_share_the_cores(monkeypatch):
     assert fleet_plan.model_configs(one, available_bytes=2**40)[0].num_threads is None
 
 
+def test_models_that_ask_for_more_threads_than_cores_are_warned_of(monkeypatch, caplog):
+    monkeypatch.setattr(fleet_plan, "footprint", lambda c: Footprint("cpu", 0, 0.0))
+    monkeypatch.setattr(fleet_plan, "_cores", lambda: 4)
+    monkeypatch.delenv("TOKENMILL_NUM_THREADS", raising=False)
+    shared = load_config(models=[{"name": "a"}, {"name": "b"}])
+    fitting = load_config(models=[{"name": "a", "num_threads": 3}, {"name": "b", "num_threads": 1}])
+    over = load_config(num_threads=4, models=[{"name": "a"}, {"name": "b", "load": "on_demand"}])
+    with caplog.at_level("WARNING", logger=fleet_plan.__name__):
+        for config in (shared, fitting):
+            fleet_plan.model_configs(config, available_bytes=2**40)
+        assert not caplog.records
+        fleet_plan.model_configs(over, available_bytes=2**40)
+    assert [r.getMessage() for r in caplog.records] == [
+        "the CPU models loaded at once ask for 8 threads on 4 cores (a: 4, b: 4): engines busy at the same time "
+        "will take turns at every step; leave num_threads unset to share the cores out, or give each model its share"]
+
+
 # --- hosts, with a fake loader
 class FakeEngine:
     def __init__(self, name):

@@ -36,13 +36,32 @@ def model_configs(config: EngineConfig, available_bytes: int | None = None) -> l
     for spec in specs:
         shared = len(specs) > 1 and config.num_threads is None
         configs.append(config.for_model(spec, **({"num_threads": threads} if shared else {})))
-    check_memory(config, configs, available_host_bytes() if available_bytes is None else available_bytes)
+    at_once = check_memory(config, configs, available_host_bytes() if available_bytes is None else available_bytes)
+    warn_oversubscribed(config, configs, at_once)
     return configs
 
 
-def check_memory(config: EngineConfig, configs: list[EngineConfig], available_bytes: int) -> None:
+def warn_oversubscribed(config: EngineConfig, configs: list[EngineConfig], at_once: list[tuple[str, Footprint]]
+                        ) -> None:
+    """A warning where the CPU models loaded at once ask for more threads than there are cores (a thread count set
+    for every model, or per model): engines busy at the same time then take turns at every barrier of their thread
+    pools. Measured in tests/server/test_many_models.py's fleet on 2 cores, both engines on 2 threads: 240 tokens of
+    a tiny model took 19.6 s beside a busy SmolLM2, 0.9 s with the cores shared out."""
+    by_name = {spec.name: model_config for spec, model_config in zip(config.models, configs)}
+    cores = _cores()
+    asked = [(name, (by_name[name].num_threads or cores) * by_name[name].tensor_parallel_size)
+             for name, fp in at_once if fp.device == "cpu"]
+    total = sum(threads for _, threads in asked)
+    if len(asked) > 1 and total > cores:
+        log.warning("the CPU models loaded at once ask for %d threads on %d cores (%s): engines busy at the same time "
+                    "will take turns at every step; leave num_threads unset to share the cores out, or give each "
+                    "model its share", total, cores, ", ".join(f"{name}: {threads}" for name, threads in asked))
+
+
+def check_memory(config: EngineConfig, configs: list[EngineConfig], available_bytes: int
+                 ) -> list[tuple[str, Footprint]]:
     """ConfigError naming the first model (start-up ones in order, then the largest on-demand ones) that does
-    not fit."""
+    not fit; else the models loaded at once, with their footprints."""
     prints: list[tuple[str, Footprint]] = []
     for spec, model_config in zip(config.models, configs):
         try:
@@ -71,3 +90,4 @@ def check_memory(config: EngineConfig, configs: list[EngineConfig], available_by
                               f"most 1) or other devices")
     log.info("models: %s; ~%.1f GiB of %.1f GiB available when all are loaded", ", ".join(n for n, _ in prints),
              host_total / 2**30, available_bytes / 2**30)
+    return startup + on_demand
