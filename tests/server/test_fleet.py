@@ -132,6 +132,8 @@ def test_models_loaded_at_once_share_the_cores(monkeypatch):
     assert [c.num_threads for c in fleet_plan.model_configs(config, available_bytes=2**40)] == [4, 2, 4]
     one = load_config(models=[{"name": "a"}])
     assert fleet_plan.model_configs(one, available_bytes=2**40)[0].num_threads is None
+    ranks = load_config(models=[{"name": "a", "tensor_parallel_size": 2}, {"name": "b"}])
+    assert [c.num_threads for c in fleet_plan.model_configs(ranks, available_bytes=2**40)] == [3, 6]  # per rank
 
 
 def test_models_that_ask_for_more_threads_than_cores_are_warned_of(monkeypatch, caplog):

@@ -1,8 +1,9 @@
 """The engine configs of a server's ``[[models]]``, fitted to the machine before anything loads.
 
 - CPU cores: a model that does not set ``num_threads`` gets an even share of the cores among the models that can
-  be loaded at once (those loaded at start-up, plus ``max_loaded_models`` on-demand ones), so that two engines do
-  not fight over every core.
+  be loaded at once (those loaded at start-up, plus ``max_loaded_models`` on-demand ones), split among its
+  tensor-parallel ranks, so that two engines do not fight over every core; a warning where the thread counts that
+  are set ask for more than the cores.
 - Memory: the models that can be loaded at once must fit (engine/footprint.py's estimate): in the machine's
   available memory on a CPU; on GPUs, the ``gpu_memory_utilization`` shares of the models on each GPU (``devices``)
   add up to at most 1. Where they do
@@ -35,7 +36,10 @@ def model_configs(config: EngineConfig, available_bytes: int | None = None) -> l
     configs = []
     for spec in specs:
         shared = len(specs) > 1 and config.num_threads is None
-        configs.append(config.for_model(spec, **({"num_threads": threads} if shared else {})))
+        model_config = config.for_model(spec, **({"num_threads": threads} if shared else {}))
+        if shared and model_config.tensor_parallel_size > 1:  # the model's share, split among its ranks
+            model_config = config.for_model(spec, num_threads=max(1, threads // model_config.tensor_parallel_size))
+        configs.append(model_config)
     at_once = check_memory(config, configs, available_host_bytes() if available_bytes is None else available_bytes)
     warn_oversubscribed(config, configs, at_once)
     return configs
