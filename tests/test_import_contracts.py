@@ -146,8 +146,12 @@ def test_the_api_process_starts_without_torch_or_xgrammar():
     the start-up path, where first needed."""
     code = ("import sys\n"
             "import tokenmill.cli, tokenmill.server.launch\n"
-            "loaded = [m for m in ('torch', 'xgrammar', 'transformers', 'triton') if m in sys.modules]\n"
-            "assert not loaded, loaded\n")
+            "def serve(config):\n"  # `tokenmill serve`'s own path (its function-level imports too), up to serving
+            "    loaded = [m for m in ('torch', 'xgrammar', 'transformers', 'triton') if m in sys.modules]\n"
+            "    assert not loaded, loaded\n"
+            "    return 7\n"
+            "tokenmill.server.launch.serve = serve\n"
+            "assert tokenmill.cli.main(['serve', '--port', '8123']) == 7\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         from tokenmill.bench.plan import main as plan_main
         return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
-    from tokenmill.models.loader import ModelLoadError
+    from tokenmill.models.paths import ModelLoadError  # not models.loader: that imports torch (~1.2 s)
     from tokenmill.sampling.params import SamplingParamError
 
     try:
