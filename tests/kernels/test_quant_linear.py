@@ -13,7 +13,7 @@ from tokenmill.kernels.cpu_native import EXTRA_FLAGS_ENV, library, x16_register_
 from tokenmill.kernels.quant_linear import (WeightFormat, dequantize, pack_int4, quant_linear_cpu,
                                             quant_linear_reference, quantize, quantize_activations, repack_x16,
                                             unpack_int4, unpack_x16)
-from tokenmill.models.loader import gguf_quantized_pieces
+from tokenmill.models.loader import GGUF_KEPT_TYPES, dequantize_pieces, gguf_quantized_pieces
 
 FORMATS = ["int4-g32", "int4-g64", "int4-g128", "int4-g128-zp", "int8-ch", "int8-g32", "int8-g64-zp", "fp8-ch"]
 needs_kernels = pytest.mark.skipif(library() is None, reason="no C compiler: the CPU kernels are not built")
@@ -173,10 +173,8 @@ def test_gguf_blocks_map_onto_the_formats_bit_for_bit(type_name):
     qtype = GGMLQuantizationType[type_name]
     w = (np.random.default_rng(0).standard_normal((24, 256)) * 0.05).astype(np.float32)
     blocks = gguf_quantize(w, qtype)
-    pieces = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in gguf_quantized_pieces(blocks, type_name).items()}
-    fmt = WeightFormat.parse("int8-g32" if type_name == "Q8_0" else "int4-g32")
-    ours = dequantize(fmt, pieces["qweight"], pieces["scales"], pieces.get("mins"))
-    assert torch.equal(ours, torch.from_numpy(gguf_dequantize(blocks, qtype)))
+    ours = dequantize_pieces(GGUF_KEPT_TYPES[type_name], gguf_quantized_pieces(blocks, type_name))
+    assert torch.equal(ours, torch.from_numpy(gguf_dequantize(blocks, qtype)))  # the loader reads the file so
 
 
 @pytest.mark.parametrize("name,expected", [("int4-g32", ("int4", 32, True, False)),

@@ -201,6 +201,14 @@ def gguf_quantized_pieces(blocks: np.ndarray, type_name: str) -> dict[str, np.nd
     return {"qweight": codes, "scales": d, "mins": mins}
 
 
+def dequantize_pieces(fmt_name: str, pieces: dict[str, np.ndarray]) -> torch.Tensor:
+    """A kept GGUF tensor's pieces (``gguf_quantized_pieces``) -> its weight, float32."""
+    from tokenmill.kernels.quant_linear import WeightFormat, dequantize
+
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in pieces.items()}
+    return dequantize(WeightFormat.parse(fmt_name), tensors["qweight"], tensors["scales"], tensors.get("mins"))
+
+
 def _open_gguf(path: Path, name: str) -> Checkpoint:
     from gguf import dequantize
 
@@ -214,10 +222,14 @@ def _open_gguf(path: Path, name: str) -> Checkpoint:
 
     def arrays(tensor: Any) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
         name = hf_name_for_gguf(tensor.name)
-        yield name, lambda: dequantize(tensor.data, tensor.tensor_type)
-        if tensor.tensor_type.name in GGUF_KEPT_TYPES:
+        if tensor.tensor_type.name not in GGUF_KEPT_TYPES:
+            yield name, lambda: dequantize(tensor.data, tensor.tensor_type)
+        else:
             stem = name.removesuffix(".weight")
             pieces = functools.cache(lambda: gguf_quantized_pieces(tensor.data, tensor.tensor_type.name))
+            # The same values as gguf's dequantize (tests/kernels/test_quant_linear.py checks them bit for bit), in
+            # torch's vector ops: 0.6 s instead of 1.3 s for SmolLM2's file.
+            yield name, lambda: dequantize_pieces(GGUF_KEPT_TYPES[tensor.tensor_type.name], pieces()).numpy()
             for piece in ("qweight", "scales", "mins"):
                 if piece != "mins" or tensor.tensor_type.name != "Q8_0":
                     yield f"{stem}.{piece}", lambda piece=piece: pieces()[piece]
