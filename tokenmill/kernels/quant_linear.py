@@ -110,8 +110,13 @@ def dequantize(fmt: WeightFormat, qweight: torch.Tensor, scales: torch.Tensor, m
                ) -> torch.Tensor:
     """The weight [N, K] as float32: ``q * scale + min`` per group, each product and sum rounded once in float32."""
     q = unpack_int4(qweight) if fmt.kind == "int4" else qweight
-    in_features = q.shape[1]
+    out_features, in_features = q.shape
     group = fmt.group(in_features)
+    if in_features % group == 0:  # whole groups: each group's scale (and min) broadcast over its inputs
+        w = q.reshape(out_features, -1, group).float() * scales.float()[..., None]
+        if mins is not None:
+            w = w + mins.float()[..., None]
+        return w.view(out_features, in_features)
     w = q.float() * scales.float().repeat_interleave(group, dim=1)[:, :in_features]
     if mins is not None:
         w = w + mins.float().repeat_interleave(group, dim=1)[:, :in_features]

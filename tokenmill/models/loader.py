@@ -246,8 +246,10 @@ def _open_gguf(path: Path, name: str) -> Checkpoint:
                     array = unpermute_rotary_rows(array, permute_heads[part])
                 if cut is not None:
                     array = array[_index(*cut)]
-                piece = name.endswith((".qweight", ".scales", ".mins"))
-                yield name, torch.from_numpy(np.array(array, dtype=array.dtype if piece else np.float32))  # a copy
+                dtype = array.dtype if name.endswith((".qweight", ".scales", ".mins")) else np.float32
+                # Never a view of the file's map (a copy then); arrays made while reading are taken as they are.
+                mapped = np.may_share_memory(array, reader.data)
+                yield name, torch.from_numpy(np.array(array, dtype) if mapped else np.ascontiguousarray(array, dtype))
 
     formats = {f"{hf_name_for_gguf(t.name).removesuffix('.weight')}": GGUF_KEPT_TYPES[t.tensor_type.name]
                for t in reader.tensors if t.tensor_type.name in GGUF_KEPT_TYPES}
