@@ -1,5 +1,5 @@
 """What start-up costs, piece by piece, for the default model (SmolLM2 GGUF): opening the GGUF file with gguf's own
-reader over its np.memmap vs tokenmill's plain-view reader, converting the GGUF tokenizer with transformers vs
+reader over its np.memmap vs tokenmill's one-pass header reader (models/gguf_file.py), converting the GGUF tokenizer with transformers vs
 reading the cached conversion, and `tokenmill serve` (eager) from launch to /ready with a warm tokenizer cache.
 Alternates the variants ``--repeats`` times in one process and reports medians; writes JSON (``--out``).
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from tokenmill.models.loader import default_model_path, gguf_reader
+from tokenmill.models.gguf_file import read_gguf
+from tokenmill.models.loader import default_model_path
 from tokenmill.models.tokenizer import Tokenizer
 
 
@@ -62,12 +63,12 @@ def main() -> int:
     gguf = default_model_path()
     cache = tempfile.mkdtemp(prefix="tokenmill-tokenizers-")
     Tokenizer(gguf.parent, gguf.name, cache)  # fills the cache
-    samples: dict[str, list[float]] = {k: [] for k in ("gguf_reader_memmap_s", "gguf_reader_plain_views_s",
+    samples: dict[str, list[float]] = {k: [] for k in ("gguf_reader_memmap_s", "read_gguf_s",
                                                       "tokenizer_convert_s", "tokenizer_cached_s",
                                                       "serve_to_ready_s")}
     for _ in range(args.repeats):
         samples["gguf_reader_memmap_s"].append(timed(lambda: GGUFReader(str(gguf))))
-        samples["gguf_reader_plain_views_s"].append(timed(lambda: gguf_reader(gguf)))
+        samples["read_gguf_s"].append(timed(lambda: read_gguf(gguf)))
         samples["tokenizer_convert_s"].append(timed(lambda: Tokenizer(gguf.parent, gguf.name, cache_dir=None)))
         samples["tokenizer_cached_s"].append(timed(lambda: Tokenizer(gguf.parent, gguf.name, cache)))
         samples["serve_to_ready_s"].append(serve_to_ready(args.port))

@@ -45,9 +45,9 @@ def _safetensors_params(path: Path) -> int:
 
 
 def _gguf_params(path: Path) -> int:
-    from gguf import GGUFReader
+    from tokenmill.models.gguf_file import read_gguf
 
-    return sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
+    return sum(t.n_elements for t in read_gguf(path).tensors)
 
 
 def _has_gpu() -> bool:

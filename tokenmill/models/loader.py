@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from tokenmill.models.gguf_file import GGUFFile, read_gguf
 from tokenmill.models.paths import (DEFAULT_MODEL_FILE, DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE,  # noqa: F401
                                    ModelLoadError, default_model_path, model_path, tokenizer_files)
 
@@ -106,12 +107,11 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
-def _gguf_config(reader: Any, path: Path) -> dict[str, Any]:
+def _gguf_config(reader: GGUFFile, path: Path) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported "
@@ -129,7 +129,7 @@ def _gguf_config(reader: Any, path: Path) -> dict[str, Any]:
         "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
         "max_position_embeddings": _field(reader, f"{arch}.context_length", 2048),
-        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"]),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
         "attention_bias": any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         # End of sequence and, where the file names it, end of turn: both end generation.
@@ -164,24 +164,6 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
-def gguf_reader(path: Path):
-    """gguf's GGUFReader over plain ndarray views of its memory map: the reader slices its map once per metadata
-    item (SmolLM2's vocabulary and merges: ~250,000 slices), and a ``np.memmap`` slice runs Python code each time
-    (3.45 s to open SmolLM2's file) where a plain view does not (0.96 s; benchmarks/startup.py). Same bytes and map."""
-    from gguf import GGUFReader
-
-    class PlainViewReader(GGUFReader):
-        @property
-        def data(self) -> np.ndarray:
-            return self._plain_data
-
-        @data.setter
-        def data(self, mapped: np.ndarray) -> None:  # GGUFReader.__init__ assigns its np.memmap here
-            self._plain_data = mapped.view(np.ndarray)
-
-    return PlainViewReader(str(path))
-
-
 # GGUF block types kept as they are: (format, bytes of the fp16 scale and min fields before the codes).
 GGUF_KEPT_TYPES = {"Q4_0": "int4-g32", "Q4_1": "int4-g32", "Q8_0": "int8-g32"}
 
@@ -213,8 +195,8 @@ def _open_gguf(path: Path, name: str) -> Checkpoint:
     from gguf import dequantize
 
     try:
-        reader = gguf_reader(path)
-    except Exception as exc:  # the reader raises ValueError/struct errors on corrupt files
+        reader = read_gguf(path)
+    except Exception as exc:  # a corrupt file fails in many ways (ValueError, OSError, struct and numpy errors)
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from None
     config = _gguf_config(reader, path)
     permute_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
