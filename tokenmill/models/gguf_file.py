@@ -27,6 +27,9 @@ DEFAULT_ALIGNMENT = 32
 # Scalar value types (gguf.GGUFValueType) -> struct format; 8 is a string, 9 an array.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+# ggml types that GGUFReader hands out as elements (every other type as raw bytes).
+_ELEMENT_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                  "I32": np.int32, "I64": np.int64}
 
 
 @dataclass(frozen=True)
@@ -125,8 +128,3 @@ def read_gguf(path: Path | str) -> GGUFFile:
         tensors.append(GGUFTensor(name, kind, dims, n_elements,
                                   np.frombuffer(data, dtype, count, at).reshape(shape)))
     return GGUFFile(fields, tensors, data)
-
-
-# ggml types that GGUFReader hands out as elements (every other type as raw bytes).
-_ELEMENT_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
-                  "I32": np.int32, "I64": np.int64}
