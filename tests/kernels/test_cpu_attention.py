@@ -92,6 +92,57 @@ def test_few_long_sequences_split_along_the_cache(threads, shapes, window):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("hq,hkv,block_size", [(9, 3, 16), (4, 4, 3), (8, 2, 1), (6, 1, 32)])
+def test_bf16_queries_over_a_bf16_cache(d, hq, hkv, block_size):
+    """A bf16 model's attention (bf16 queries, bf16 cache, head size a multiple of 16): on a host with AVX512-BF16
+    the kernel's bf16 path (K and V read in place, probabilities rounded to bf16 for P V), else the widening one;
+    both are the reference's to bf16 precision, odd blocks and odd tails included (their unused slots hold NaN)."""
+    batch = paged_batch(SHAPES + [(44, 1), (17, 1)], hq, hkv, d, "bf16", block_size, num_blocks=1024,
+                        q_dtype=torch.bfloat16, seed=d + block_size)
+    got, want = attention_both_ways(batch, hkv, d)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1.6e-2, rtol=1.6e-2)
+    # Before the output's rounding to bf16: the float32 result and log-sum-exp against the same queries in float32
+    # (the widening path, exact products): only the probabilities' rounding to bf16 (relative error <= 2^-9 each)
+    # separates them, so a row differs by at most 2 * 2^-9 * max|V|; the log-sum-exp by about 2^-9.
+    segments = cpu_attention._segments(batch.meta, 0, with_prefills=True)
+    rows = torch.cat([torch.arange(start, start + count) for start, count in segments[1:3].t().tolist()])
+    tables = batch.meta.block_tables.long().contiguous()
+    out, lse = cpu_attention.cache_attention(batch.q, batch.data, None, tables, segments, d ** -0.5)
+    exact_out, exact_lse = cpu_attention.cache_attention(batch.q.float(), batch.data, None, tables, segments, d ** -0.5)
+    bound = 2 * 2 ** -9 * batch.data[:, :, hkv:].float().nan_to_num(0.0).abs().max().item()
+    torch.testing.assert_close(out[rows], exact_out[rows], atol=bound, rtol=0)
+    torch.testing.assert_close(lse[rows], exact_lse[rows], atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (333, 3.0)])
+def test_bf16_path_split_along_the_cache(window, softcap):
+    """Long bf16 decodes split into parts whose states are merged (the bf16 path's accumulators are kept in a
+    permuted order of d until written out), with a window and soft-capping."""
+    from tokenmill.kernels.attention_features import AttentionFeatures
+
+    features = AttentionFeatures(window=window, softcap=softcap)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        batch = paged_batch([(900, 1), (129, 1)], 9, 3, 64, "bf16", 4, num_blocks=700, q_dtype=torch.bfloat16)
+        write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping)
+        args = (batch.q, batch.new_kv[:, :3], batch.new_kv[:, 3:], batch.data, batch.scales, batch.meta, 0.125)
+        want = paged_attention(*args, backend="torch", features=features)
+        batch.meta._derived.clear()
+        got = paged_attention(*args, backend="cpu", features=features)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got, want, atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_the_bf16_path_is_built_where_the_cpu_has_avx512_bf16(monkeypatch):
+    monkeypatch.delenv(cpu_native.EXTRA_FLAGS_ENV, raising=False)  # the host's own build, as a server makes it
+    flags = cpu_native.cpu_identity().split()
+    assert cpu_native.library().tm_attention_bf16_dot() == int("avx512_bf16" in flags and "avx512vl" in flags)
+
+
 def test_merge_equals_attention_over_the_union():
     """Two partial attentions over disjoint keys, merged by log-sum-exp, are attention over all the keys."""
     gen = torch.Generator().manual_seed(0)

@@ -1,6 +1,8 @@
 """Paged attention on a CPU without a gather: the C kernel of kernels/cpu/paged_attention.c walks each request's
 block table in place (per request, per KV head, online softmax over blocks), for every cache dtype (fp32, bf16,
-fp16, fp8 with its scales).
+fp16, fp8 with its scales). A bf16 model's queries over a bf16 cache take the kernel's bf16 path where the build has
+AVX512-BF16 (K and V read as bf16, products summed in float32, probabilities rounded to bf16 for P V); everything
+else is widened to float32 a block at a time.
 
 Same contract as kernels/paged_attention.py's reference (shapes, null block, what each query sees):
 - a decode (one query) attends its whole sequence from the cache in one kernel segment;
@@ -48,7 +50,7 @@ def cache_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | 
         scales.data_ptr() if scales is not None else None, KINDS[data.dtype], tables.data_ptr(), tables.stride(0),
         segments[0].data_ptr(), segments[1].data_ptr(), segments[2].data_ptr(), segments[3].data_ptr(),
         segments[4].data_ptr(), segments.shape[1], hq, hkv, dim, data.shape[1], sm_scale, softcap,
-        torch.get_num_threads())
+        int(q.dtype == torch.bfloat16), torch.get_num_threads())
     if code != 0:
         raise MemoryError("CPU paged attention: scratch allocation failed")
     return out, lse

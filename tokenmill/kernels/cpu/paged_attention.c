@@ -18,6 +18,8 @@
 // head; the next block's are prefetched meanwhile, a slice per row. Too few such items for the threads (a lone
 // long decode) -> segments are split along their cache into parts whose softmax states are merged at the end
 // (split-K, as flash decoding does).
+// Where the build has AVX512-BF16 a bf16 cache under bf16 queries (q_bf16: the float32 rows hold bf16 values) skips
+// the widening: the bf16 path below reads K and V in place (row_over_block_bf16).
 
 #include <math.h>
 #include <stdint.h>
@@ -51,6 +53,15 @@ static float f16_value(uint16_t h) {
     else if (exponent == 31) v = mantissa ? NAN : INFINITY;
     else v = ldexpf(1.0f + (float)mantissa / 1024.0f, exponent - 15);
     return sign ? -v : v;
+}
+
+// 1 where this build has the bf16 path (AVX512-BF16): what a bf16 model's decode attention runs here.
+int tm_attention_bf16_dot(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 void tm_init(void) {
@@ -178,6 +189,112 @@ static inline __attribute__((always_inline)) void row_over_block(
     for (int d = 0; d < D; d++) a[d] = acc[d];
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define HAVE_DPBF16 1
+// The bf16 path: a bf16 cache and queries whose values are bf16 (a bf16 model), D a multiple of 16. K and V are
+// read in place as bf16, no widening: vdpbf16ps multiplies pairs of bf16 and adds them into float32 lanes.
+// - Scores: a lane sums q[2i] k[2i] + q[2i + 1] k[2i + 1]; a token's lanes are summed as in dot_tokens. Exact
+//   products, float32 sums, as the widened path.
+// - P V: the probabilities are rounded to bf16 (as flash attention does before its P V product; the output is bf16
+//   anyway) and the softmax denominator sums the rounded values, so each row stays a convex combination of V.
+//   Tokens go in pairs: unpacking two V rows interleaves (V[t][d], V[t+1][d]), one vdpbf16ps by the pair
+//   (p[t], p[t+1]) adds both. The unpack works within 128-bit halves, so a row's float32 accumulators hold each
+//   16-wide chunk of d in the order 0-3, 8-11, 4-7, 12-15 (PERMUTED_INDEX), restored when the row is written out.
+
+// Where d's accumulator sits in a permuted row (the permutation swaps the middle quads of every 16: its own inverse).
+static inline int permuted_index(int d) {
+    const int quad = (d >> 2) & 3;
+    return quad == 1 ? d + 4 : quad == 2 ? d - 4 : d;
+}
+
+// The bf16 of float32 x rounded to nearest even (x finite).
+static inline uint16_t bf16_round(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_value(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// One query row (bf16 codes qb) over n tokens of the cache read in place (K of token t at k + t * stride, V at
+// v + t * stride, bf16): the online-softmax update of (m, l) and of the permuted accumulator row a.
+static inline __attribute__((always_inline)) void row_over_block_bf16(
+        const uint16_t *restrict qb, float *restrict a, const uint16_t *restrict k, const uint16_t *restrict v, int n,
+        int64_t stride, const int D, float sm_scale, float softcap, float *restrict m, float *restrict l,
+        float *restrict scores, uint16_t *restrict pb) {
+    for (int t = 0; t < n; t += 8) {
+        const uint16_t *kt[8];
+        for (int j = 0; j < 8; j++) kt[j] = k + (int64_t)(t + j < n ? t + j : n - 1) * stride;
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 16) {
+            const __m256bh qv = (__m256bh)_mm256_loadu_si256((const __m256i *)(qb + d));
+            for (int j = 0; j < 8; j++)
+                acc[j] = _mm256_dpbf16_ps(acc[j], qv, (__m256bh)_mm256_loadu_si256((const __m256i *)(kt[j] + d)));
+        }
+        float sums[8];
+        _mm256_storeu_ps(sums, sum_lanes8(acc));
+        memcpy(scores + t, sums, sizeof(float) * (size_t)(n - t < 8 ? n - t : 8));
+    }
+    float block_max = NEG_BIG;
+    for (int t = 0; t < n; t++) {
+        float s = scores[t] * sm_scale;
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+        scores[t] = s;
+        block_max = s > block_max ? s : block_max;
+    }
+    const float m_new = block_max > *m ? block_max : *m;
+    const float correction = expf(*m - m_new);
+#pragma omp simd
+    for (int t = 0; t < n; t++) scores[t] = expf(scores[t] - m_new);
+    float sum = 0.0f;
+    for (int t = 0; t < n; t++) {
+        pb[t] = bf16_round(scores[t]);
+        sum += bf16_value(pb[t]);
+    }
+    pb[n] = 0;  // an odd block's last token pairs with a zero weight (and a zero row: its neighbour is not read)
+    *l = *l * correction + sum;
+    *m = m_new;
+    const int chunks = D / 16;
+    __m256 lo[chunks], hi[chunks];
+    const __m256 scale = _mm256_set1_ps(correction);
+    for (int c = 0; c < chunks; c++) {
+        lo[c] = _mm256_mul_ps(_mm256_loadu_ps(a + 16 * c), scale);
+        hi[c] = _mm256_mul_ps(_mm256_loadu_ps(a + 16 * c + 8), scale);
+    }
+    for (int t = 0; t < n; t += 2) {
+        uint32_t pair;
+        memcpy(&pair, pb + t, sizeof pair);
+        const __m256bh pp = (__m256bh)_mm256_set1_epi32((int)pair);
+        const uint16_t *v0 = v + (int64_t)t * stride, *v1 = v0 + stride;
+        if (t + 1 < n) {
+            for (int c = 0; c < chunks; c++) {
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(v0 + 16 * c));
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(v1 + 16 * c));
+                lo[c] = _mm256_dpbf16_ps(lo[c], (__m256bh)_mm256_unpacklo_epi16(x0, x1), pp);
+                hi[c] = _mm256_dpbf16_ps(hi[c], (__m256bh)_mm256_unpackhi_epi16(x0, x1), pp);
+            }
+        } else {
+            const __m256i zero = _mm256_setzero_si256();
+            for (int c = 0; c < chunks; c++) {
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(v0 + 16 * c));
+                lo[c] = _mm256_dpbf16_ps(lo[c], (__m256bh)_mm256_unpacklo_epi16(x0, zero), pp);
+                hi[c] = _mm256_dpbf16_ps(hi[c], (__m256bh)_mm256_unpackhi_epi16(x0, zero), pp);
+            }
+        }
+    }
+    for (int c = 0; c < chunks; c++) {
+        _mm256_storeu_ps(a + 16 * c, lo[c]);
+        _mm256_storeu_ps(a + 16 * c + 8, hi[c]);
+    }
+}
+#endif
+
 // The next cache block's K and V runs (``tokens`` tokens from ``first``, heads h0.., ``run`` bytes each), asked
 // into the caches a slice of tokens at a time: slice ``r`` of ``slices`` goes out before row r of the current block
 // is computed, so the loads overlap that compute. (Blocks sit at random places, where the hardware prefetcher does
@@ -206,8 +323,8 @@ static inline int64_t tile_row(int r, int q_first, int h0, int hc, int G, int Hq
 // part + r * (D + 2): m, l, then the D accumulators (merged with the other parts' by merge_parts).
 static void attend_tile(const float *q, float *out, float *lse, float *part, const void *cache, const float *scales,
                         int kind, const int64_t *blocks, int kv_lo, int kv_hi, int q_first, int q_count, int h0,
-                        int hc, int Hq, int Hkv, int D, int block_size, float sm_scale, float softcap, float *kbuf,
-                        float *vbuf, float *acc, float *scores) {
+                        int hc, int Hq, int Hkv, int D, int block_size, float sm_scale, float softcap, int bf16_path,
+                        float *kbuf, float *vbuf, float *acc, float *scores, uint16_t *qb, uint16_t *pb) {
     const int G = Hq / Hkv, rows = q_count * hc * G, slots = 2 * Hkv;
     float m[TILE_ROWS], l[TILE_ROWS];
     const float *qrow[TILE_ROWS];
@@ -219,6 +336,41 @@ static void attend_tile(const float *q, float *out, float *lse, float *part, con
     }
     const int width = hc * D;  // floats of one token's K (or V) heads in the buffers
     const int elem = kind == KIND_F32 ? 4 : kind == KIND_FP8 ? 1 : 2;  // bytes of one cache element
+#ifdef HAVE_DPBF16
+    if (bf16_path) {
+        for (int r = 0; r < rows; r++)  // the rows' bf16 codes (exact: their values are bf16)
+            for (int d = 0; d < D; d++) qb[(int64_t)r * D + d] = bf16_round(qrow[r][d]);
+        const uint16_t *codes = (const uint16_t *)cache;
+        const int64_t stride = (int64_t)slots * D;  // elements from one token's row to the next
+        for (int start = kv_lo - kv_lo % block_size; start < kv_hi; start += block_size) {
+            const int skip = kv_lo > start ? kv_lo - start : 0;
+            const int n = (kv_hi - start < block_size ? kv_hi - start : block_size) - skip;
+            const uint16_t *first = codes + (blocks[start / block_size] * block_size + skip) * stride;
+            const int has_next = start + block_size < kv_hi;
+            const int64_t next = has_next ? blocks[start / block_size + 1] * block_size : 0;
+            for (int r = 0; r < rows; r++) {
+                if (has_next)
+                    prefetch_slice((const char *)cache, next, block_size, slots, h0, Hkv, D, elem, width * elem, r,
+                                   rows);
+                const int kh = h0 + (r / G) % hc;
+                const uint16_t *k = first + (int64_t)kh * D, *v = first + (int64_t)(Hkv + kh) * D;
+                float *a = acc + (int64_t)r * D;
+                const uint16_t *qr = qb + (int64_t)r * D;
+                if (D == 64)
+                    row_over_block_bf16(qr, a, k, v, n, stride, 64, sm_scale, softcap, m + r, l + r, scores, pb);
+                else if (D == 128)
+                    row_over_block_bf16(qr, a, k, v, n, stride, 128, sm_scale, softcap, m + r, l + r, scores, pb);
+                else
+                    row_over_block_bf16(qr, a, k, v, n, stride, D, sm_scale, softcap, m + r, l + r, scores, pb);
+            }
+        }
+        for (int r = 0; r < rows; r++) {  // the accumulators back in d order
+            float *a = acc + (int64_t)r * D, row[D];
+            for (int d = 0; d < D; d++) row[d] = a[permuted_index(d)];
+            memcpy(a, row, (size_t)D * sizeof(float));
+        }
+    } else
+#endif
     for (int start = kv_lo - kv_lo % block_size; start < kv_hi; start += block_size) {
         const int skip = kv_lo > start ? kv_lo - start : 0;  // the range starts inside this block
         const int n = (kv_hi - start < block_size ? kv_hi - start : block_size) - skip;
@@ -301,8 +453,14 @@ static void merge_parts(const float *state, int parts, int rows, float *out, flo
 int tm_paged_attention(const float *q, float *out, float *lse, const void *cache, const float *scales, int kind,
                        const int64_t *block_tables, int64_t table_stride, const int32_t *req, const int32_t *q_start,
                        const int32_t *q_len, const int32_t *kv_first, const int32_t *kv_len, int num_segments, int Hq,
-                       int Hkv, int D, int block_size, float sm_scale, float softcap, int threads) {
+                       int Hkv, int D, int block_size, float sm_scale, float softcap, int q_bf16, int threads) {
     const int G = Hq / Hkv;
+#ifdef HAVE_DPBF16
+    const int bf16_path = kind == KIND_BF16 && !scales && q_bf16 && D % 16 == 0;
+#else
+    const int bf16_path = 0;
+    (void)q_bf16;
+#endif
     // A work item sweeps hc adjacent KV heads of its queries over a part of their cache: the most heads that keep
     // a tile's rows within TILE_ROWS and one token's K run within 256 floats (the widened block stays in L1), so
     // the cache is read in long runs.
@@ -348,7 +506,9 @@ int tm_paged_attention(const float *q, float *out, float *lse, const void *cache
     const size_t width = (size_t)hc * D;
 #pragma omp parallel num_threads(threads) if (!failed)
     {
-        float *scratch = malloc(sizeof(float) * (2 * block_size * width + (size_t)TILE_ROWS * D + block_size));
+        // kbuf, vbuf, acc, scores (floats), then the bf16 path's query codes and probabilities
+        const size_t floats = 2 * block_size * width + (size_t)TILE_ROWS * D + block_size;
+        float *scratch = malloc(sizeof(float) * floats + sizeof(uint16_t) * ((size_t)TILE_ROWS * D + block_size + 2));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -376,8 +536,9 @@ int tm_paged_attention(const float *q, float *out, float *lse, const void *cache
             }
             float *kbuf = scratch, *vbuf = kbuf + block_size * width, *acc = vbuf + block_size * width;
             attend_tile(q, out, lse, state_out, cache, scales, kind, block_tables + (int64_t)req[s] * table_stride, lo,
-                        hi, q_start[s] + q0, count, h0, hc, Hq, Hkv, D, block_size, sm_scale, softcap, kbuf, vbuf,
-                        acc, acc + (size_t)TILE_ROWS * D);
+                        hi, q_start[s] + q0, count, h0, hc, Hq, Hkv, D, block_size, sm_scale, softcap, bf16_path,
+                        kbuf, vbuf, acc, acc + (size_t)TILE_ROWS * D, (uint16_t *)(scratch + floats),
+                        (uint16_t *)(scratch + floats) + (size_t)TILE_ROWS * D);
         }
         if (states) {  // the split segments' tiles, each merged from its parts (after the loop's barrier)
 #pragma omp for schedule(dynamic, 1)
