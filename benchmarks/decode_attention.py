@@ -1,16 +1,21 @@
 """Decode attention of one layer over the paged cache, by kernel backend and cache dtype, on this machine's CPU.
 
 The PyTorch reference (kernels/paged_attention.py, backend "torch": gathers each request's K/V, then SDPA) and the C
-kernel (kernels/cpu/paged_attention.c, backend "cpu": reads the cache in place) at SmolLM2's shapes (9 query heads, 3 KV heads, head size 64):
-each request decodes one token over a ``--context``-token history scattered over permuted blocks. The cache dtypes
-and backends are timed alternately in one process (best of ``--repeats`` per round, best round kept), so the ratios
-hold even on a noisy machine. This is the measurement behind ``kv_cache_dtype=auto`` choosing bf16 on a CPU and
-``kernel_backend=auto`` choosing the C kernel there.
+kernel (kernels/cpu/paged_attention.c, backend "cpu": reads the cache in place) at SmolLM2's shapes (9 query heads,
+3 KV heads, head size 64): each request decodes one token over a ``--context``-token history scattered over permuted
+blocks. The cache dtypes and backends are timed alternately in one process (best of ``--repeats`` per round, best
+round kept), so the ratios hold even on a noisy machine. This is the measurement behind ``kv_cache_dtype=auto``
+choosing bf16 on a CPU and ``kernel_backend=auto`` choosing the C kernel there.
+
+The queries are what a model of the cache's dtype makes: bf16 over a bf16 or fp8 cache (a bf16 model; the C kernel's
+bf16 path takes bf16 queries over a bf16 cache), float32 over a float32 cache; ``--q-dtypes model,fp32`` also times
+float32 queries over the same caches (the widening path everywhere) in turn.
 
 ``--layers N`` times each call on the next of N separate caches (as a model's N layers are), so the cache comes from
 memory, not from a warm last-level cache.
 
     python benchmarks/decode_attention.py [--batch 1,16,32] [--context 320] [--threads 1] [--backends torch,cpu]
+        [--q-dtypes model,fp32] [--layers 30]
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ HQ, HKV, DIM, BLOCK = 9, 3, 64, 16
 STORAGE = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def decode_inputs(batch: int, context: int, kv_dtype: str):
+def decode_inputs(batch: int, context: int, kv_dtype: str, q_dtype: torch.dtype = torch.float32):
     blocks_per_request = -(-context // BLOCK)
     num_blocks = batch * blocks_per_request
     data = torch.zeros(num_blocks + 1, BLOCK, 2 * HKV, DIM, dtype=STORAGE[kv_dtype])
@@ -43,8 +48,12 @@ def decode_inputs(batch: int, context: int, kv_dtype: str):
     meta = AttentionMetadata(slot_mapping=slots[context - 1::context], query_start_loc=list(range(batch + 1)),
                              seq_lens=[context] * batch, block_tables=tables, block_size=BLOCK,
                              decode_indices=list(range(batch)), prefill_indices=[])
-    q = torch.randn(batch, HQ, DIM)
+    q = torch.randn(batch, HQ, DIM).to(q_dtype)
     return q, data, scales, meta
+
+
+def query_dtype(kv_dtype: str, choice: str) -> torch.dtype:
+    return torch.float32 if choice == "fp32" or kv_dtype == "fp32" else torch.bfloat16
 
 
 def best_seconds(layers: list[tuple], repeats: int, backend: str) -> float:
@@ -73,30 +82,41 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--backends", default="torch,cpu")
+    parser.add_argument("--q-dtypes", default="model",
+                        help="model (bf16 queries over bf16/fp8 caches, float32 over float32) and/or fp32")
     parser.add_argument("--layers", type=int, default=1, help="separate caches, timed in turn")
     parser.add_argument("--out", default="benchmarks/results/decode-attention.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    backends = args.backends.split(",")
-    cases = [(b, kv) for b in backends for kv in STORAGE]
+    backends, q_choices = args.backends.split(","), args.q_dtypes.split(",")
+    # (backend, cache dtype, query choice); a float32 cache's queries are float32 whichever the choice
+    cases = [(b, kv, qc) for b in backends for kv in STORAGE for qc in q_choices if kv != "fp32" or qc == q_choices[0]]
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):
-        inputs = {kv: [decode_inputs(batch, args.context, kv) for _ in range(args.layers)] for kv in STORAGE}
+        inputs = {(kv, qc): [decode_inputs(batch, args.context, kv, query_dtype(kv, qc)) for _ in range(args.layers)]
+                  for _, kv, qc in cases}
         best = {case: float("inf") for case in cases}
         for _ in range(args.rounds):
-            for b, kv in cases:
-                best[b, kv] = min(best[b, kv], best_seconds(inputs[kv], args.repeats, b))
-        row = {"batch": batch, "context": args.context,
-               **{f"{b}_{kv}_ms": best[b, kv] * 1e3 for b, kv in cases},
-               **{f"{b}_fp8_over_bf16": best[b, "fp8"] / best[b, "bf16"] for b in backends}}
+            for b, kv, qc in cases:
+                best[b, kv, qc] = min(best[b, kv, qc], best_seconds(inputs[kv, qc], args.repeats, b))
+        name = {case: "_".join(case[:2]) + ("_fp32q" if case[2] == "fp32" and case[1] != "fp32" else "")
+                for case in cases}
+        first = q_choices[0]
+        row = {"batch": batch, "context": args.context, **{f"{name[c]}_ms": best[c] * 1e3 for c in cases},
+               **{f"{b}_fp8_over_bf16": best[b, "fp8", first] / best[b, "bf16", first] for b in backends}}
         if "torch" in backends and "cpu" in backends:
-            row.update({f"cpu_over_torch_{kv}": best["cpu", kv] / best["torch", kv] for kv in STORAGE})
+            row.update({f"cpu_over_torch_{kv}": best["cpu", kv, first] / best["torch", kv, first] for kv in STORAGE})
+        if set(q_choices) == {"model", "fp32"}:
+            row.update({f"{b}_bf16_over_bf16_fp32q": best[b, "bf16", "model"] / best[b, "bf16", "fp32"]
+                        for b in backends})
         rows.append(row)
-        print(f"batch {batch:3d}: " + "  ".join(f"{b}/{kv} {best[b, kv] * 1e3:7.3f} ms" for b, kv in cases))
+        print(f"batch {batch:3d}: " + "  ".join(f"{name[c]} {best[c] * 1e3:7.3f} ms" for c in cases))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": "python benchmarks/decode_attention.py " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items() if k != "out"), "machine": cpu_name(), "torch": torch.__version__, "threads": args.threads, "results": rows}, indent=2))
+    command = "python benchmarks/decode_attention.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out")
+    out.write_text(json.dumps({"command": command, "machine": cpu_name(), "torch": torch.__version__,
+                               "threads": args.threads, "results": rows}, indent=2))
     print(f"wrote {out}")
 
 
