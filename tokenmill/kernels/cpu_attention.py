@@ -56,6 +56,24 @@ def cache_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | 
     return out, lse
 
 
+PREFETCH_TARGETS = ("l1", "l2")
+
+
+def set_prefetch_target(target: str) -> None:
+    """Where the kernel asks for the next cache block's lines: "l1" (prefetcht0) or "l2" (prefetcht2), for the whole
+    process (settled once at start-up: engine/attention_prefetch.py)."""
+    if target not in PREFETCH_TARGETS:
+        raise ValueError(f"attention prefetch target {target!r}: expected one of {PREFETCH_TARGETS}")
+    lib = library()
+    if lib is not None:
+        lib.tm_set_attention_prefetch(int(target == "l2"))
+
+
+def prefetch_target() -> str:
+    lib = library()
+    return "l2" if lib is not None and lib.tm_attention_prefetch() else "l1"
+
+
 def _segments(meta: AttentionMetadata, window: int, with_prefills: bool) -> torch.Tensor:
     """[5, S] int32 (built once per step and window): every decode (from its window's start), and, when
     ``with_prefills``, every prefill chunk with a cached prefix."""

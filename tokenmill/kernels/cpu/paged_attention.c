@@ -295,6 +295,32 @@ static inline __attribute__((always_inline)) void row_over_block_bf16(
 }
 #endif
 
+// Where prefetch_slice asks for the next block's lines to go: 0 = into the L1 (prefetcht0), 1 = only as far as the
+// L2 (prefetcht2). Settled once at start-up by timing both (engine/attention_prefetch.py): a core tracks only so
+// many outstanding L1 misses, and on a Zen 4 EPYC a block asked into the L1 held them while the compute's own loads
+// waited (the L2 target was 1.2-1.5x faster there); other hosts are measured, not assumed.
+static int prefetch_to_l2 = 0;
+
+void tm_set_attention_prefetch(int to_l2) { prefetch_to_l2 = to_l2 != 0; }
+
+int tm_attention_prefetch(void) { return prefetch_to_l2; }
+
+// One line asked into the L1 or the L2. (GCC 12 drops this file's __builtin_prefetch calls at -O2, and at -O3 too
+// once the hint is chosen at run time, however the branch is written: on x86 the instruction is written in asm.)
+static inline __attribute__((always_inline)) void prefetch_line(const char *p, int to_l2) {
+#if defined(__x86_64__)
+    if (to_l2)
+        __asm__ volatile("prefetcht2 %0" : : "m"(*p));
+    else
+        __asm__ volatile("prefetcht0 %0" : : "m"(*p));
+#else
+    if (to_l2)
+        __builtin_prefetch(p, 0, 1);
+    else
+        __builtin_prefetch(p, 0, 3);
+#endif
+}
+
 // The next cache block's K and V runs (``tokens`` tokens from ``first``, heads h0.., ``run`` bytes each), asked
 // into the caches a slice of tokens at a time: slice ``r`` of ``slices`` goes out before row r of the current block
 // is computed, so the loads overlap that compute. (Blocks sit at random places, where the hardware prefetcher does
@@ -303,13 +329,13 @@ static inline void prefetch_slice(const char *cache, int64_t first, int tokens, 
                                   int elem, int run, int r, int slices) {
     const int from = (int)((int64_t)r * tokens / slices), to = (int)((int64_t)(r + 1) * tokens / slices);
     const int64_t token_bytes = (int64_t)slots * D * elem, v_offset = (int64_t)Hkv * D * elem;
-    for (int t = from; t < to; t++) {
-        const char *k = cache + (first + t) * token_bytes + (int64_t)h0 * D * elem;
+    const char *k = cache + (first + from) * token_bytes + (int64_t)h0 * D * elem;
+    const int to_l2 = prefetch_to_l2;
+    for (int t = from; t < to; t++, k += token_bytes)
         for (int off = 0; off < run; off += 64) {
-            __builtin_prefetch(k + off, 0, 3);
-            __builtin_prefetch(k + v_offset + off, 0, 3);
+            prefetch_line(k + off, to_l2);
+            prefetch_line(k + v_offset + off, to_l2);
         }
-    }
 }
 
 // The output row of tile row r: rows are (query, head, group member), r = (qi * hc + hh) * G + g.
