@@ -84,6 +84,9 @@ class EngineConfig(BaseSettings):
                             "per channel)")
     quantization_group_size: int = Field(128, ge=32, multiple_of=32,
                                          description="inputs per scale of --quantization int4 (a multiple of 32)")
+    attention_prefetch: Literal["auto", "l1", "l2"] = Field(
+        "auto", description="CPU decode attention: ask for the next cache block into the L1 or only the L2; auto = "
+                            "whichever was faster when timed at start-up")
     kernel_tuning: Literal["heuristic", "autotune"] = Field(
         "heuristic", description="fused-MoE launch configs: heuristic, or measured once per shape and kept in "
                                  "kernel_cache_dir")

@@ -149,7 +149,8 @@ def test_execution_is_decided_once(eager, device, backend, expected):
 
 def test_settled_is_frozen_and_names_every_choice(monkeypatch):
     monkeypatch.setattr(settle, "available_cores", lambda: 2)
-    config = load_config(dtype="float32", num_threads=1, device="cpu", cpu_weight_layout="packed")
+    config = load_config(dtype="float32", num_threads=1, device="cpu", cpu_weight_layout="packed",
+                         attention_prefetch="l2")
     settled = settle.settle(config, SMALL)
     h, d = SMALL.hidden_size, SMALL.head_dim
     shapes = {((SMALL.num_heads + 2 * SMALL.num_kv_heads) * d, h), (h, SMALL.num_heads * d),
@@ -157,7 +158,8 @@ def test_settled_is_frozen_and_names_every_choice(monkeypatch):
     assert settled == settle.Settled(device="cpu", dtype="float32", num_threads=1, kv_cache_dtype="bf16",
                                      kernel_backend="cpu", execution="eager", speculative_method="off",
                                      tensor_parallel_size=1,  # TOKENMILL_ENFORCE_EAGER is set for the tests
-                                     linear_layouts=tuple((out, inp, 1) for out, inp in sorted(shapes)))
+                                     linear_layouts=tuple((out, inp, 1) for out, inp in sorted(shapes)),
+                                     attention_prefetch="l2")
     with pytest.raises(AttributeError):
         settled.dtype = "bfloat16"
     assert settle.Settled(**settled.to_dict()) == settled  # what rank 0 broadcasts to its ranks

@@ -19,6 +19,8 @@ What is settled, and how ``auto`` resolves:
   tensors (``auto``) are timed per shape and format against the dense layout on a CPU (engine/layouts.py) and kept
   quantized below the row count where dense wins (dense on a GPU until a GPU kernel reads them); ``int8|int4|fp8``
   are quantized at every row count;
+- CPU decode attention's prefetch target: the next cache block asked into the L1 or only the L2, whichever the
+  kernel ran faster at the model's head layout, timed here (engine/attention_prefetch.py);
 - execution: captured CUDA graphs (one GPU, Triton kernels), a compiled layer stack on a CPU, or eager;
 - drafting: the speculative method, checked against the checkpoint.
 """
@@ -36,6 +38,7 @@ import torch
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.distributed.group import TensorParallel
+from tokenmill.engine.attention_prefetch import choose_attention_prefetch
 from tokenmill.engine.layouts import Layouts, choose_layouts, describe, linear_shapes
 from tokenmill.engine.quant_layouts import QuantLayouts, choose_quantization
 from tokenmill.engine.probe import Clock, Comparison, compare, repetitions
@@ -79,6 +82,8 @@ class Settled:
     linear_layouts: Layouts = ()
     # Quantized candidates: ((out, in, format, dense_from_rows | None), ...) (engine/layouts.py); () = none.
     quant_layouts: QuantLayouts = ()
+    # CPU decode attention's prefetch target (engine/attention_prefetch.py): "l1" | "l2".
+    attention_prefetch: str = "l1"
 
     def __post_init__(self):  # a broadcast copy may arrive with lists for tuples
         object.__setattr__(self, "linear_layouts", tuple(tuple(row) for row in self.linear_layouts))
@@ -122,7 +127,10 @@ def settle(config: EngineConfig, model_config: ModelConfig, clock: Clock = time.
         device=device, dtype=dtype, num_threads=threads, kv_cache_dtype=kv_dtype, kernel_backend=backend,
         execution=choose_execution(config, device, backend, size, model_config),
         speculative_method=config.speculative_method, tensor_parallel_size=size, linear_layouts=layouts,
-        quant_layouts=quant_layouts)
+        quant_layouts=quant_layouts, attention_prefetch=choose_attention_prefetch(
+            config.attention_prefetch, device, backend, model_config.num_heads // size,
+            0 if model_config.mla else model_config.num_kv_heads // size, model_config.head_dim, config.block_size,
+            kv_dtype, DTYPES[dtype], threads or torch.get_num_threads(), clock))
     log.info("settled: %s", ", ".join(f"{k}={v}" for k, v in settled.to_dict().items()))
     return settled
 
