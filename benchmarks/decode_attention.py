@@ -11,11 +11,14 @@ The queries are what a model of the cache's dtype makes: bf16 over a bf16 or fp8
 bf16 path takes bf16 queries over a bf16 cache), float32 over a float32 cache; ``--q-dtypes model,fp32`` also times
 float32 queries over the same caches (the widening path everywhere) in turn.
 
+``--prefetch-targets l1,l2`` times the C kernel asking for the next cache block into the L1 and into the L2 in turn
+(what engine/attention_prefetch.py settles at start-up).
+
 ``--layers N`` times each call on the next of N separate caches (as a model's N layers are), so the cache comes from
 memory, not from a warm last-level cache.
 
     python benchmarks/decode_attention.py [--batch 1,16,32] [--context 320] [--threads 1] [--backends torch,cpu]
-        [--q-dtypes model,fp32] [--layers 30]
+        [--q-dtypes model,fp32] [--prefetch-targets l1,l2] [--layers 30]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.kernels.cpu_attention import set_prefetch_target
 from tokenmill.kernels.kv_write import write_kv_reference
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kernels.paged_attention import paged_attention
@@ -84,31 +88,40 @@ def main() -> None:
     parser.add_argument("--backends", default="torch,cpu")
     parser.add_argument("--q-dtypes", default="model",
                         help="model (bf16 queries over bf16/fp8 caches, float32 over float32) and/or fp32")
+    parser.add_argument("--prefetch-targets", default="l1",
+                        help="the C kernel's prefetch targets, timed in turn: l1 and/or l2")
     parser.add_argument("--layers", type=int, default=1, help="separate caches, timed in turn")
     parser.add_argument("--out", default="benchmarks/results/decode-attention.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    backends, q_choices = args.backends.split(","), args.q_dtypes.split(",")
-    # (backend, cache dtype, query choice); a float32 cache's queries are float32 whichever the choice
-    cases = [(b, kv, qc) for b in backends for kv in STORAGE for qc in q_choices if kv != "fp32" or qc == q_choices[0]]
+    backends, q_choices, targets = args.backends.split(","), args.q_dtypes.split(","), args.prefetch_targets.split(",")
+    # (backend, cache dtype, query choice, prefetch target); a float32 cache's queries are float32 whichever the
+    # choice, and only the C kernel prefetches
+    cases = [(b, kv, qc, pf) for b in backends for kv in STORAGE for qc in q_choices for pf in targets
+             if (kv != "fp32" or qc == q_choices[0]) and (b == "cpu" or pf == targets[0])]
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):
         inputs = {(kv, qc): [decode_inputs(batch, args.context, kv, query_dtype(kv, qc)) for _ in range(args.layers)]
-                  for _, kv, qc in cases}
+                  for _, kv, qc, _ in cases}
         best = {case: float("inf") for case in cases}
         for _ in range(args.rounds):
-            for b, kv, qc in cases:
-                best[b, kv, qc] = min(best[b, kv, qc], best_seconds(inputs[kv, qc], args.repeats, b))
+            for b, kv, qc, pf in cases:
+                set_prefetch_target(pf)
+                best[b, kv, qc, pf] = min(best[b, kv, qc, pf], best_seconds(inputs[kv, qc], args.repeats, b))
         name = {case: "_".join(case[:2]) + ("_fp32q" if case[2] == "fp32" and case[1] != "fp32" else "")
-                for case in cases}
-        first = q_choices[0]
+                + ("_l2" if case[3] == "l2" else "") for case in cases}
+        q0, pf0 = q_choices[0], targets[0]
         row = {"batch": batch, "context": args.context, **{f"{name[c]}_ms": best[c] * 1e3 for c in cases},
-               **{f"{b}_fp8_over_bf16": best[b, "fp8", first] / best[b, "bf16", first] for b in backends}}
+               **{f"{b}_fp8_over_bf16": best[b, "fp8", q0, pf0] / best[b, "bf16", q0, pf0] for b in backends}}
         if "torch" in backends and "cpu" in backends:
-            row.update({f"cpu_over_torch_{kv}": best["cpu", kv, first] / best["torch", kv, first] for kv in STORAGE})
+            row.update({f"cpu_over_torch_{kv}": best["cpu", kv, q0, pf0] / best["torch", kv, q0, pf0]
+                        for kv in STORAGE})
         if set(q_choices) == {"model", "fp32"}:
-            row.update({f"{b}_bf16_over_bf16_fp32q": best[b, "bf16", "model"] / best[b, "bf16", "fp32"]
+            row.update({f"{b}_bf16_over_bf16_fp32q": best[b, "bf16", "model", pf0] / best[b, "bf16", "fp32", pf0]
                         for b in backends})
+        if "cpu" in backends and set(targets) == {"l1", "l2"}:
+            row.update({f"cpu_{kv}_l2_over_l1": best["cpu", kv, q0, "l2"] / best["cpu", kv, q0, "l1"]
+                        for kv in STORAGE})
         rows.append(row)
         print(f"batch {batch:3d}: " + "  ".join(f"{name[c]} {best[c] * 1e3:7.3f} ms" for c in cases))
     out = Path(args.out)
