@@ -199,7 +199,7 @@ static inline __attribute__((always_inline)) void row_over_block(
 //   anyway) and the softmax denominator sums the rounded values, so each row stays a convex combination of V.
 //   Tokens go in pairs: unpacking two V rows interleaves (V[t][d], V[t+1][d]), one vdpbf16ps by the pair
 //   (p[t], p[t+1]) adds both. The unpack works within 128-bit halves, so a row's float32 accumulators hold each
-//   16-wide chunk of d in the order 0-3, 8-11, 4-7, 12-15 (PERMUTED_INDEX), restored when the row is written out.
+//   16-wide chunk of d in the order 0-3, 8-11, 4-7, 12-15 (permuted_index), restored when the row is written out.
 
 // Where d's accumulator sits in a permuted row (the permutation swaps the middle quads of every 16: its own inverse).
 static inline int permuted_index(int d) {
