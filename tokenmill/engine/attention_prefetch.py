@@ -4,7 +4,7 @@ the kernel both ways at the model's head layout on caches twice the size of the 
 step meets its layers' caches: from memory.
 
 A core tracks only so many outstanding L1 misses. On a 2-core Zen 4 EPYC a block asked into the L1 held them while
-the compute's own loads waited, and the L2 target made decode attention 1.2-1.5x faster (BENCHMARKS.md); other
+the compute's own loads waited, and the L2 target made decode attention 1.15-1.64x faster (BENCHMARKS.md); other
 hosts are measured, not assumed. The L1 target (what the kernel always did before) stays unless the L2 one is
 clearly faster, or when the machine is too noisy to tell.
 """
@@ -28,6 +28,8 @@ L2_MIN_SPEEDUP = 1.05
 PROBE_BUDGET_S = 1.5
 # The probe's decodes: a busy step's requests, each over this many cached tokens.
 PROBE_REQUESTS, PROBE_CONTEXT = 16, 256
+# The probe's caches stop at this many bytes whatever the last-level cache (some hosts have a GiB of L3).
+PROBE_MAX_BYTES = 256 * 2**20
 CPU_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
 CACHE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 
@@ -68,11 +70,12 @@ def time_l2_over_l1(num_heads: int, num_kv_heads: int, head_dim: int, block_size
                     dtype: torch.dtype, threads: int, clock: Clock = time.perf_counter,
                     budget_s: float = PROBE_BUDGET_S, cache_bytes: int | None = None) -> Comparison:
     """time(L2 target) / time(L1 target) of PROBE_REQUESTS decodes on ``threads`` threads over cold caches
-    (``cache_bytes`` of them in all, default twice the last-level cache), leaving the kernel's target and torch's
-    thread count as it found them."""
+    (``cache_bytes`` of them in all, default twice the last-level cache up to PROBE_MAX_BYTES), leaving the
+    kernel's target and torch's thread count as it found them."""
     blocks = PROBE_REQUESTS * -(-PROBE_CONTEXT // block_size)
     layer_bytes = (blocks + 1) * block_size * 2 * num_kv_heads * head_dim * kv_dtype.itemsize
-    layers = max(1, math.ceil((cache_bytes or 2 * last_level_cache_bytes()) / layer_bytes))
+    total = cache_bytes or min(2 * last_level_cache_bytes(), PROBE_MAX_BYTES)
+    layers = max(1, math.ceil(total / layer_bytes))
     gen = torch.Generator().manual_seed(0)
     caches = [torch.randn(blocks + 1, block_size, 2 * num_kv_heads, head_dim, generator=gen).to(kv_dtype)
               for _ in range(layers)]

@@ -298,7 +298,7 @@ static inline __attribute__((always_inline)) void row_over_block_bf16(
 // Where prefetch_slice asks for the next block's lines to go: 0 = into the L1 (prefetcht0), 1 = only as far as the
 // L2 (prefetcht2). Settled once at start-up by timing both (engine/attention_prefetch.py): a core tracks only so
 // many outstanding L1 misses, and on a Zen 4 EPYC a block asked into the L1 held them while the compute's own loads
-// waited (the L2 target was 1.2-1.5x faster there); other hosts are measured, not assumed.
+// waited (the L2 target was 1.15-1.64x faster there); other hosts are measured, not assumed.
 static int prefetch_to_l2 = 0;
 
 void tm_set_attention_prefetch(int to_l2) { prefetch_to_l2 = to_l2 != 0; }
