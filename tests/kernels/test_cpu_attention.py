@@ -75,21 +75,27 @@ def test_random_batches_match_reference(seed):
 def test_few_long_sequences_split_along_the_cache(threads, shapes, window):
     """Fewer work items than the threads want: each long segment is split into parts of its cache (whole blocks,
     a window's start inside the first) whose softmax states are merged; the result is the reference's."""
+    got, want = long_decodes_both_backends(shapes, torch.float32, window, 3.0 if window else 0.0, threads)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def long_decodes_both_backends(shapes, q_dtype, window, softcap, threads):
+    """(C kernel, reference) over a bf16 cache of blocks of 4 on ``threads`` threads: SmolLM2's heads, the new
+    tokens written first."""
     from tokenmill.kernels.attention_features import AttentionFeatures
 
-    features = AttentionFeatures(window=window, softcap=3.0 if window else 0.0)
+    features = AttentionFeatures(window=window, softcap=softcap)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        batch = paged_batch(shapes, 9, 3, 64, "bf16", 4, num_blocks=700, q_dtype=torch.float32)
+        batch = paged_batch(shapes, 9, 3, 64, "bf16", 4, num_blocks=700, q_dtype=q_dtype)
         write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping)
         args = (batch.q, batch.new_kv[:, :3], batch.new_kv[:, 3:], batch.data, batch.scales, batch.meta, 0.125)
         want = paged_attention(*args, backend="torch", features=features)
         batch.meta._derived.clear()
-        got = paged_attention(*args, backend="cpu", features=features)
+        return paged_attention(*args, backend="cpu", features=features), want
     finally:
         torch.set_num_threads(previous)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("d", [16, 64, 128])
@@ -120,20 +126,7 @@ def test_bf16_queries_over_a_bf16_cache(d, hq, hkv, block_size):
 def test_bf16_path_split_along_the_cache(window, softcap):
     """Long bf16 decodes split into parts whose states are merged (the bf16 path's accumulators are kept in a
     permuted order of d until written out), with a window and soft-capping."""
-    from tokenmill.kernels.attention_features import AttentionFeatures
-
-    features = AttentionFeatures(window=window, softcap=softcap)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(3)
-    try:
-        batch = paged_batch([(900, 1), (129, 1)], 9, 3, 64, "bf16", 4, num_blocks=700, q_dtype=torch.bfloat16)
-        write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping)
-        args = (batch.q, batch.new_kv[:, :3], batch.new_kv[:, 3:], batch.data, batch.scales, batch.meta, 0.125)
-        want = paged_attention(*args, backend="torch", features=features)
-        batch.meta._derived.clear()
-        got = paged_attention(*args, backend="cpu", features=features)
-    finally:
-        torch.set_num_threads(previous)
+    got, want = long_decodes_both_backends([(900, 1), (129, 1)], torch.bfloat16, window, softcap, threads=3)
     torch.testing.assert_close(got, want, atol=1.6e-2, rtol=1.6e-2)
 
 

@@ -150,6 +150,18 @@ static inline __attribute__((always_inline)) void dot_tokens(const float *restri
     }
 }
 
+// A block's scores scaled (and soft-capped where softcap > 0) in place; returns their maximum.
+static inline float scale_scores(float *restrict scores, int n, float sm_scale, float softcap) {
+    float block_max = NEG_BIG;
+    for (int t = 0; t < n; t++) {
+        float s = scores[t] * sm_scale;
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+        scores[t] = s;
+        block_max = s > block_max ? s : block_max;
+    }
+    return block_max;
+}
+
 // One query-head row over one widened block of n tokens (token t's head at kbuf + t * stride): scores, the
 // online-softmax update of (m, l), acc += p V.
 // Always inlined with D a constant where the caller knows it (64, 128): the loops unroll and the accumulator row
@@ -159,13 +171,7 @@ static inline __attribute__((always_inline)) void row_over_block(
         int stride, const int D, float sm_scale, float softcap, float *restrict m, float *restrict l,
         float *restrict scores) {
     dot_tokens(qr, kbuf, n, stride, D, scores);
-    float block_max = NEG_BIG;
-    for (int t = 0; t < n; t++) {
-        float s = scores[t] * sm_scale;
-        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-        scores[t] = s;
-        block_max = s > block_max ? s : block_max;
-    }
+    const float block_max = scale_scores(scores, n, sm_scale, softcap);
     const float m_new = block_max > *m ? block_max : *m;
     const float correction = expf(*m - m_new);
     float sum = 0.0f;
@@ -241,13 +247,7 @@ static inline __attribute__((always_inline)) void row_over_block_bf16(
         _mm256_storeu_ps(sums, sum_lanes8(acc));
         memcpy(scores + t, sums, sizeof(float) * (size_t)(n - t < 8 ? n - t : 8));
     }
-    float block_max = NEG_BIG;
-    for (int t = 0; t < n; t++) {
-        float s = scores[t] * sm_scale;
-        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-        scores[t] = s;
-        block_max = s > block_max ? s : block_max;
-    }
+    const float block_max = scale_scores(scores, n, sm_scale, softcap);
     const float m_new = block_max > *m ? block_max : *m;
     const float correction = expf(*m - m_new);
 #pragma omp simd
