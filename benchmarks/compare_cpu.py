@@ -54,10 +54,6 @@ def safetensors_copy(out: Path) -> Path:
     """transformers reads the GGUF but will not save it as is: rebuild a plain Llama and save that."""
     if (out / "config.json").exists():
         return out
-    # This script's folder leads sys.path, and its kernels.py shadows the Hugging Face `kernels` package that
-    # transformers probes for (and then fails to import from): transformers must not see the folder.
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != here]
     import transformers
 
     gguf = default_model_path()

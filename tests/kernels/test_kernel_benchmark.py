@@ -1,4 +1,5 @@
-"""benchmarks/kernels.py runs to completion (tiny shapes, through the interpreter here) and reports every kernel."""
+"""benchmarks/kernel_speeds.py runs to completion (tiny shapes, through the interpreter here) and reports every
+kernel."""
 
 import importlib.util
 import sys
@@ -8,7 +9,7 @@ from tests.kernels.triton_device import DEVICE
 
 
 def test_kernel_benchmark_smoke_run_prints_every_kernel(capsys, monkeypatch):
-    path = Path(__file__).parents[2] / "benchmarks" / "kernels.py"
+    path = Path(__file__).parents[2] / "benchmarks" / "kernel_speeds.py"
     spec = importlib.util.spec_from_file_location("kernel_benchmark", path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
