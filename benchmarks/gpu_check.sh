@@ -4,7 +4,7 @@
 #   2. the engine end to end on CUDA (benchmarks/gpu_engine_check.py): greedy tokens of a SmolLM2-shaped Llama and a
 #      tiny DeepSeek-V3 on the Triton kernels equal the CPU reference path's (fp32), CUDA-graph decode equal to eager,
 #      and decode tokens/s with and without graphs;
-#   3. benchmarks/kernels.py: GB/s, TFLOP/s and % of peak for the KV write, paged attention, MLA decode and fused MoE
+#   3. benchmarks/kernel_speeds.py: GB/s, TFLOP/s and % of peak for the KV write, paged attention, MLA decode and fused MoE
 #      at SmolLM2 and DeepSeek-V3 shapes, and the fp8 W8A8 / int4 dense linear layers against bf16 (issue 25),
 #      batch 1-256;
 #   4. benchmarks/dsa_decode.py: DeepSeek Sparse Attention's decode against dense MLA, 1k-64k tokens of context.
@@ -27,11 +27,10 @@ TOKENIZER=()
 [ -d .gpu/tokenizer ] && TOKENIZER=(--tokenizer .gpu/tokenizer)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 status=0
-timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/kernels 2>&1 | tail -40 > "$OUT/kernel-tests.txt" \
-    || status=1
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels > "$OUT/kernel-tests.txt" 2>&1 || status=1
 cat "$OUT/kernel-tests.txt" | tail -5
 timeout 180 python3 benchmarks/gpu_engine_check.py --out "$OUT/engine.json" "${TOKENIZER[@]}" || status=1
-timeout 120 python3 benchmarks/kernels.py --json "$OUT/kernels.json" --reps 5 > "$OUT/kernels.txt" 2>&1 || status=1
+timeout 120 python3 benchmarks/kernel_speeds.py --json "$OUT/kernels.json" --reps 5 > "$OUT/kernels.txt" 2>&1 || status=1
 tail -5 "$OUT/kernels.txt"
 # 4. DeepSeek Sparse Attention against dense MLA on the Triton kernels (issue 27): decode ms per token by context.
 timeout 90 python3 benchmarks/dsa_decode.py --backend triton --contexts 1024,4096,16384,65536 --batches 1,16 \

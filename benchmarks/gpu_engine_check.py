@@ -18,6 +18,7 @@ the embedded model's. Exits 1 if a check fails.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -60,13 +61,25 @@ def write_checkpoints(root: Path, tokenizer_dir: str | None, smoke: bool) -> dic
     return paths
 
 
-def greedy(path: Path, prompts, max_tokens: int, **config) -> tuple[list[list[int]], float, object]:
+def greedy(path: Path, prompts, max_tokens: int, **config) -> tuple[list[list[int]], float, int]:
+    """Greedy tokens, seconds, and the decode steps that replayed a CUDA graph. The LLM is closed and its memory
+    given back before returning: each LLM's KV cache takes gpu_memory_utilization of the GPU less what is in use,
+    so a second one built while the first is alive gets no blocks."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(model=str(path), kv_cache_memory="256MiB", max_model_len=1024, **config)
-    start = time.perf_counter()
-    out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    return [r.token_ids for r in out], time.perf_counter() - start, llm
+    try:
+        start = time.perf_counter()
+        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        seconds = time.perf_counter() - start
+        graphs = llm.engine.runner.graphs
+        return [r.token_ids for r in out], seconds, graphs.num_runs if graphs else 0
+    finally:
+        llm.close()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
@@ -102,10 +115,10 @@ def main() -> int:
                                **fp32)
             eager, _, _ = greedy(path, prompts, max_tokens, device=gpu, kernel_backend="triton", enforce_eager=True,
                                  **fp32)
-            graphs, _, llm = greedy(path, prompts, max_tokens, device=gpu, kernel_backend="triton", **fp32)
+            graphs, _, graph_steps = greedy(path, prompts, max_tokens, device=gpu, kernel_backend="triton", **fp32)
             result = {"tokens_cuda_vs_cpu": eager == cpu, "first_divergence_cuda_vs_cpu": first_divergence(eager, cpu),
                       "graphs_vs_eager": graphs == eager,
-                      "graph_steps": llm.engine.runner.graphs.num_runs if llm.engine.runner.graphs else 0}
+                      "graph_steps": graph_steps}
             if not args.smoke:
                 result["decode_tok_s"] = {f"batch {b} {mode}": decode_speed(path, b, gpu, mode == "eager", 64)
                                           for b in (1, 16) for mode in ("eager", "graphs")}
