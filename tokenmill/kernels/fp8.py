@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels.kv_write import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from tokenmill.kernels.kv_write import FP8_DTYPE, fp8_scale
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -27,7 +27,7 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[t
     pad_rows, pad_cols = -rows % bn, -cols % bk
     padded = torch.nn.functional.pad(weight.float(), (0, pad_cols, 0, pad_rows))
     blocks = padded.unflatten(-1, (-1, bk)).unflatten(-3, (-1, bn))  # [..., N/bn, bn, K/bk, bk]
-    scale = (blocks.abs().amax(dim=(-3, -1)) / FP8_MAX).clamp(min=MIN_SCALE)  # [..., N/bn, K/bk]
+    scale = fp8_scale(blocks.abs().amax(dim=(-3, -1)))  # [..., N/bn, K/bk]
     full = scale.repeat_interleave(bn, -2).repeat_interleave(bk, -1)[..., :rows, :cols]
     return (weight.float() / full).to(FP8_DTYPE), scale
 
@@ -36,7 +36,7 @@ def per_token_group_quant_fp8_reference(x: torch.Tensor, group: int) -> tuple[to
     """[M, K] -> (fp8 [M, K], float32 [M, ceil(K / group)]) with scale = amax / 448 of each group."""
     rows, cols = x.shape
     padded = torch.nn.functional.pad(x.float(), (0, -cols % group)).view(rows, -1, group)
-    scale = (padded.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)
+    scale = fp8_scale(padded.abs().amax(dim=-1))
     return (padded / scale[..., None]).to(FP8_DTYPE).view(rows, -1)[:, :cols], scale
 
 

@@ -16,10 +16,18 @@ MIN_SCALE = 1e-12  # an all-zero vector gets a tiny scale, never a division by z
 FP8_TO_FP16_FACTOR = 256.0
 
 
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 (at least MIN_SCALE), IEEE-divided on every device, as the Triton quantizers do (div_rn).
+
+    The divisor is a tensor on amax's device: PyTorch's CUDA division by a Python scalar multiplies by its
+    reciprocal, which is one unit in the last place off the quotient for some amax."""
+    return (amax / amax.new_full((), FP8_MAX)).clamp(min=MIN_SCALE)
+
+
 def quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., D] -> (fp8 [..., D], float32 scales [...]) with one scale per vector."""
     values = values.float()
-    scale = (values.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)
+    scale = fp8_scale(values.abs().amax(dim=-1))
     return (values / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
 
 

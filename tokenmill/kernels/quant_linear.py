@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.cpu_native import QuantWeight, X16Weight, library
-from tokenmill.kernels.kv_write import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from tokenmill.kernels.kv_write import FP8_DTYPE, FP8_MAX, MIN_SCALE, fp8_scale
 
 KINDS = {"int4": 0, "int8": 1, "fp8": 2}
 BLOCK = 32  # inputs per nibble block; every group size is a multiple of it
@@ -160,7 +160,7 @@ def quantize(weight: torch.Tensor, fmt: WeightFormat) -> dict[str, torch.Tensor]
     padded = F.pad(weight.float()[None], (0, pad), mode="replicate")[0] if pad else weight.float()
     w = padded.view(out_features, -1, group)  # [N, groups, G]
     if fmt.kind == "fp8":
-        scale = (w.abs().amax(dim=(1, 2)) / FP8_MAX).clamp(min=MIN_SCALE)[:, None]  # [N, 1]
+        scale = fp8_scale(w.abs().amax(dim=(1, 2)))[:, None]  # [N, 1]
         return {"qweight": (weight.float() / scale).to(FP8_DTYPE), "scales": scale.expand(-1, w.shape[1]).contiguous()}
     if fmt.kind == "int8":
         scale = (w.abs().amax(dim=-1) / 127).clamp(min=MIN_SCALE).to(fmt.scale_dtype)
@@ -318,8 +318,12 @@ def fp8_w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     rows = x.reshape(-1, x.shape[-1])
     x_scale = (rows.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)  # [M, 1]
     x_q = (rows.float() / x_scale).to(FP8_DTYPE)
-    out = torch._scaled_mm(x_q, qweight.t(), scale_a=x_scale, scale_b=scales[:, :1].float().t().contiguous(),
-                           out_dtype=torch.float32)
+    w_scale = scales[:, :1].float().t().contiguous()  # [1, N]
+    if x.device.type == "cuda":
+        out = torch._scaled_mm(x_q, qweight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.float32)
+    else:  # oneDNN's _scaled_mm takes only per-tensor scales (torch > 2.13 checks it): row and column scales after
+        one = torch.ones((), device=x.device)
+        out = torch._scaled_mm(x_q, qweight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32) * x_scale * w_scale
     if bias is not None:
         out = out + bias.float()
     return out.view(*x.shape[:-1], qweight.shape[0]).to(x.dtype)
