@@ -111,15 +111,18 @@ def moe_cases(fp8_ok: bool):
     from tokenmill.kernels.fused_moe import Fp8BlockScales
     from tokenmill.kernels.triton.fused_moe import fused_moe_triton
 
-    shapes = (("DeepSeek-V3", 256, 2048, 7168, 8), ("DeepSeek-V2-Lite", 64, 1408, 2048, 6))
-    for name, experts, inter, hidden, top_k in shapes:
-        for fp8 in (False, True) if fp8_ok and name == "DeepSeek-V3" else (False,):
+    # The last: fp8 scale blocks of 16 (the kernel tests' small shapes; K steps of 16, below the fp8 MMA's 32).
+    shapes = (("DeepSeek-V3", 256, 2048, 7168, 8, 128), ("DeepSeek-V2-Lite", 64, 1408, 2048, 6, 128),
+              ("tiny fp8 blocks of 16", 6, 40, 48, 2, 16))
+    for name, experts, inter, hidden, top_k, blk in shapes:
+        for fp8 in (False, True) if fp8_ok and name != "DeepSeek-V2-Lite" else (False,):
             dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
             w1 = torch.empty(1, 2 * inter, hidden, dtype=dtype).expand(experts, -1, -1)
             w2 = torch.empty(1, hidden, inter, dtype=dtype).expand(experts, -1, -1)
-            scales = Fp8BlockScales(torch.empty(experts, 2 * inter // 128, hidden // 128),
-                                    torch.empty(experts, hidden // 128, inter // 128), (128, 128)) if fp8 else None
-            for tokens in (1, 64, 2048):  # decode, small and large prefill: the heuristic's regimes
+            scales = Fp8BlockScales(torch.empty(experts, -(-2 * inter // blk), -(-hidden // blk)),
+                                    torch.empty(experts, -(-hidden // blk), -(-inter // blk)), (blk, blk)) if fp8 \
+                else None
+            for tokens in (1, 64, 2048) if blk == 128 else (29,):  # decode, small and large prefill
                 STATE["case"] = f"{name} MoE {'fp8' if fp8 else 'bf16'} {tokens} tokens"
                 ids = torch.randint(0, experts, (tokens, top_k))
                 fused_moe_triton(torch.empty(tokens, hidden, dtype=torch.bfloat16), w1, w2,

@@ -27,6 +27,9 @@ def dot(a, b, acc, F32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     elif a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision="ieee")
+    elif (a.dtype.is_fp8() or b.dtype.is_fp8()) and a.shape[1] < 32:
+        # A GPU's fp8 MMA needs K >= 32 (fp8 scale blocks of 16 give K = 16); e4m3 values are exact in bf16.
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     else:
         return tl.dot(a, b, acc)
 

@@ -22,7 +22,7 @@ from tokenmill.kernels.triton import mla as triton_mla
 @triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, data_ptr, scale_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr,
                          stride_qt, stride_qh, stride_wt, stride_bt, stride_ot,
-                         HEADS: tl.constexpr, DIM: tl.constexpr, KEY_OFFSET: tl.constexpr, SLOT: tl.constexpr,
+                         HEADS: tl.constexpr, DIM: tl.constexpr, KEY_OFFSET: tl.constexpr, SLOT,
                          BLOCK_SIZE: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, FP8: tl.constexpr, F32: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -36,6 +36,7 @@ def _index_scores_kernel(q_ptr, w_ptr, data_ptr, scale_ptr, bt_ptr, req_ptr, pos
     position = tl.load(pos_ptr + t)
     valid = offs_n <= position
     slot = paged_slots(bt_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_bt, offs_n, valid, BLOCK_SIZE)
+    # SLOT is a run-time argument, as in triton/mla.py: vector widths only as the launch proves the alignment.
     k = tl.load(data_ptr + slot[:, None] * SLOT + KEY_OFFSET + offs_d[None, :], mask=valid[:, None] & d_mask[None, :],
                 other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
     s = dot(q, tl.trans(k), tl.zeros([BLOCK_HI, BLOCK_N], tl.float32), F32)

@@ -26,12 +26,15 @@ from tokenmill.kernels.triton.split_kv import (decode_num_splits, merge_splits, 
 def _mla_decode_split_kernel(
         q_lat_ptr, q_pe_ptr, data_ptr, scale_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, idx_ptr, req_ptr, sm_scale,
         stride_lb, stride_lh, stride_pb, stride_ph, stride_bt, stride_idx,
-        HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, SLOT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, SLOT, BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_P: tl.constexpr, FP8: tl.constexpr, F32: tl.constexpr, SPARSE: tl.constexpr):
     """Row b attends to its positions 0 .. lens[b] - 1, or (SPARSE) to the positions idx[b, 0 .. lens[b] - 1] of
     request req[b]'s block table (DeepSeek Sparse Attention's selection, kernels/dsa.py: a row per query token). A
-    cache entry is SLOT wide: [c_kv | k_pe | ...]."""
+    cache entry is SLOT wide: [c_kv | k_pe | ...]. SLOT is a run-time argument, not a constexpr: Triton then knows
+    only what its launch specialization proves (divisible by 16 or not), so entries whose bytes are not a multiple
+    of 16 are never read with 16-byte vectors -- with SLOT a constexpr of 56 or 72 (fp8), the H200 hit
+    'misaligned address' on 16-byte loads of c."""
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
