@@ -97,7 +97,9 @@ class EngineConfig(BaseSettings):
         "auto", description="auto = fp8 on CUDA (native fp8 reads in the Triton kernels), bf16 on a CPU (the CPU has "
                             "no vector fp8 conversion: widening an fp8 cache cost more than its halved reads)")
     block_size: int = Field(16, gt=0, le=1024)
-    kv_cache_memory: int = Field(2 * 2**30, gt=0, description="KV cache bytes on CPU (accepts '2GiB')")
+    kv_cache_memory: int | None = Field(
+        None, gt=0, description="KV cache bytes (accepts '2GiB'); unset: 2 GiB on a CPU, on a GPU what "
+                                "gpu_memory_utilization leaves after the weights (set: exactly this, on any device)")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     enable_prefix_caching: bool = Field(True, description="reuse the KV of full blocks shared with earlier prompts "
                                                           "(hash-chained, LRU-evicted only when the pool needs room)")
@@ -229,8 +231,8 @@ class EngineConfig(BaseSettings):
     @field_validator("kv_cache_memory", "max_request_body_bytes", "grammar_max_bytes", "responses_store_max_bytes",
                      mode="before")
     @classmethod
-    def _parse_size(cls, value: Any) -> int:
-        return parse_byte_size(value)
+    def _parse_size(cls, value: Any) -> int | None:
+        return None if value is None else parse_byte_size(value)
 
     @field_validator("keys")
     @classmethod
@@ -302,6 +304,11 @@ class EngineConfig(BaseSettings):
     def launch_tensor_parallel_size(self) -> int:
         """The ranks the model is split across: a multi-node launch's world size, else tensor_parallel_size."""
         return self.world_size if self.world_size and self.world_size > 1 else self.tensor_parallel_size
+
+    @property
+    def cpu_kv_cache_memory(self) -> int:
+        """The KV cache bytes of an engine on a CPU: kv_cache_memory, 2 GiB when unset."""
+        return self.kv_cache_memory if self.kv_cache_memory is not None else 2 * 2**30
 
     @model_validator(mode="after")
     def _check_paths(self) -> "EngineConfig":

@@ -48,7 +48,7 @@ def test_models_and_routes_from_toml(tmp_path):
     small, large = (config.for_model(spec) for spec in config.models)
     assert (small.served_model_name, small.model, small.kv_cache_memory, small.dtype) == ("small", None, 64 * 2**20,
                                                                                          "auto")
-    assert (large.served_model_name, large.model, large.dtype, large.kv_cache_memory) == ("large", str(tmp_path),
+    assert (large.served_model_name, large.model, large.dtype, large.cpu_kv_cache_memory) == ("large", str(tmp_path),
                                                                                          "float32", 2 * 2**30)
     assert large.tool_call_parser == "hermes" and small.tool_call_parser == "auto"
     assert config.models[1].load == "on_demand" and config.routes[0].targets == ("large", "large", "small", "large")

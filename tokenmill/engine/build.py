@@ -140,9 +140,11 @@ def quantization_plan(model: torch.nn.Module, model_config: ModelConfig, mode: s
     return plan
 
 
-def _kv_budget(config: EngineConfig, device: torch.device) -> int:
-    if device.type != "cuda":
-        return config.kv_cache_memory
+def kv_budget(config: EngineConfig, device: torch.device) -> int:
+    """KV cache bytes: kv_cache_memory where set; else 2 GiB on a CPU, and on a GPU its gpu_memory_utilization share
+    less what is in use now (the weights are loaded: every other process's and engine's memory counts as used)."""
+    if device.type != "cuda" or config.kv_cache_memory is not None:
+        return config.cpu_kv_cache_memory
     free, total = torch.cuda.mem_get_info(device)
     return int(total * config.gpu_memory_utilization) - (total - free)
 
@@ -181,7 +183,7 @@ def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, conf
         log.info("linear layers: %d of them packed for oneDNN", packed)
 
     spec = model.kv_cache_spec(settled.kv_cache_dtype, config.block_size)
-    num_blocks = tp.min(spec.num_blocks_for(_kv_budget(config, device)) - 1)  # less the cache's null block
+    num_blocks = tp.min(spec.num_blocks_for(kv_budget(config, device)) - 1)  # less the cache's null block
     # The longest request the blocks hold (any length up to the positions when every layer has a window).
     capacity = spec.groups.max_tokens_for(num_blocks, spec.block_size, limit=model.max_position,
                                           chunk=config.max_num_batched_tokens)

@@ -69,7 +69,7 @@ def footprint(config: EngineConfig) -> Footprint:
     weight_bytes = params * _DTYPE_BYTES.get(config.dtype, 4)
     if config.quantization != "none":
         weight_bytes += file_bytes  # the quantized tensors beside their dense copy
-    return Footprint(device, weight_bytes + config.kv_cache_memory, 0.0)
+    return Footprint(device, weight_bytes + config.cpu_kv_cache_memory, 0.0)
 
 
 def available_host_bytes() -> int:
