@@ -61,14 +61,15 @@ def write_checkpoints(root: Path, tokenizer_dir: str | None, smoke: bool) -> dic
     return paths
 
 
-def greedy(path: Path, prompts, max_tokens: int, **config) -> tuple[list[list[int]], float, int]:
-    """Greedy tokens, seconds, and the decode steps that replayed a CUDA graph. The LLM is closed and its memory
-    given back before returning: each LLM's KV cache takes gpu_memory_utilization of the GPU less what is in use,
-    so a second one built while the first is alive gets no blocks."""
+def greedy(path: Path, prompts, max_tokens: int, warm: bool = False, **config) -> tuple[list[list[int]], float, int]:
+    """Greedy tokens, seconds (after a one-token warm-up request where ``warm``), and the decode steps that replayed
+    a CUDA graph. Each LLM's KV cache is bounded by kv_cache_memory; the LLM is closed before returning."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(model=str(path), kv_cache_memory="256MiB", max_model_len=1024, **config)
     try:
+        if warm:  # the kernels' first launches compile
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         start = time.perf_counter()
         out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         seconds = time.perf_counter() - start
@@ -89,8 +90,7 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int | None]
 def decode_speed(path: Path, batch: int, device: str, eager: bool, tokens: int) -> float:
     """Output tokens/s of ``batch`` greedy requests decoding ``tokens`` tokens each (bf16)."""
     prompts = [[100 + i] * 16 for i in range(batch)]
-    greedy(path, prompts[:1], 2, device=device, dtype="bfloat16", enforce_eager=eager)  # warm the kernel cache
-    _, seconds, _ = greedy(path, prompts, tokens, device=device, dtype="bfloat16", enforce_eager=eager)
+    _, seconds, _ = greedy(path, prompts, tokens, warm=True, device=device, dtype="bfloat16", enforce_eager=eager)
     return batch * tokens / seconds
 
 
@@ -122,6 +122,8 @@ def main() -> int:
             if not args.smoke:
                 result["decode_tok_s"] = {f"batch {b} {mode}": decode_speed(path, b, gpu, mode == "eager", 64)
                                           for b in (1, 16) for mode in ("eager", "graphs")}
+            if gpu == "cuda":  # what closed engines left allocated (a leak would starve the next engine)
+                result["cuda_mib_allocated_after_close"] = torch.cuda.memory_allocated() / 2**20
             ok &= result["tokens_cuda_vs_cpu"] and result["graphs_vs_eager"]
             report["models"][name] = result
             print(name, json.dumps(result), flush=True)
