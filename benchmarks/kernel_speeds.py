@@ -8,7 +8,7 @@ compete with), the achieved TFLOP/s and GB/s of the Triton kernel, and their fra
 actually hit, the cache entries read, the activations); FLOPs count multiply-adds twice. For the quantized linear
 layers the "triton ms" column is the format's op as the dispatch runs it, and the baseline the dense GEMM.
 
-    python benchmarks/kernel_speeds.py              # on a CUDA GPU (sized for < 5 min on one H200; not yet run on one)
+    python benchmarks/kernel_speeds.py              # on a CUDA GPU (~30 s on one H200: BENCHMARKS.md, "On a GPU")
     TRITON_INTERPRET=1 python benchmarks/kernel_speeds.py --smoke   # tiny shapes on CPU: proves the script runs
 """
 
