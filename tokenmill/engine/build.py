@@ -143,7 +143,9 @@ def quantization_plan(model: torch.nn.Module, model_config: ModelConfig, mode: s
 def kv_budget(config: EngineConfig, device: torch.device) -> int:
     """KV cache bytes: kv_cache_memory where set; else 2 GiB on a CPU, and on a GPU its gpu_memory_utilization share
     less what is in use now (the weights are loaded: every other process's and engine's memory counts as used)."""
-    if device.type != "cuda" or config.kv_cache_memory is not None:
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if device.type != "cuda":
         return config.cpu_kv_cache_memory
     free, total = torch.cuda.mem_get_info(device)
     return int(total * config.gpu_memory_utilization) - (total - free)
