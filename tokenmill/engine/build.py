@@ -140,15 +140,29 @@ def quantization_plan(model: torch.nn.Module, model_config: ModelConfig, mode: s
     return plan
 
 
-def kv_budget(config: EngineConfig, device: torch.device) -> int:
+@dataclass(frozen=True)
+class KVBudget:
+    """The KV cache's bytes, and for error messages the setting that bounds them and how it came out."""
+    bytes: int
+    setting: str  # "kv_cache_memory" or "gpu_memory_utilization"
+    detail: str
+
+
+def kv_budget(config: EngineConfig, device: torch.device) -> KVBudget:
     """KV cache bytes: kv_cache_memory where set; else 2 GiB on a CPU, and on a GPU its gpu_memory_utilization share
     less what is in use now (the weights are loaded: every other process's and engine's memory counts as used)."""
-    if config.kv_cache_memory is not None:
-        return config.kv_cache_memory
-    if device.type != "cuda":
-        return config.cpu_kv_cache_memory
+    if config.kv_cache_memory is not None or device.type != "cuda":
+        size = config.cpu_kv_cache_memory  # the setting, or the CPU's default
+        return KVBudget(size, "kv_cache_memory", f"kv_cache_memory={_size(size)}")
     free, total = torch.cuda.mem_get_info(device)
-    return int(total * config.gpu_memory_utilization) - (total - free)
+    share, used = int(total * config.gpu_memory_utilization), total - free
+    return KVBudget(share - used, "gpu_memory_utilization",
+                    f"gpu_memory_utilization={config.gpu_memory_utilization} of {_size(total)}, {_size(used)} of "
+                    f"it in use by the weights, other engines and other processes")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
 
 
 def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, config: EngineConfig, settled: Settled,
@@ -185,7 +199,11 @@ def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, conf
         log.info("linear layers: %d of them packed for oneDNN", packed)
 
     spec = model.kv_cache_spec(settled.kv_cache_dtype, config.block_size)
-    num_blocks = tp.min(spec.num_blocks_for(kv_budget(config, device)) - 1)  # less the cache's null block
+    budget = kv_budget(config, device)
+    num_blocks = tp.min(spec.num_blocks_for(budget.bytes) - 1)  # less the cache's null block
+    if num_blocks < 1:
+        raise ConfigError(f"no room for a single KV block ({spec.bytes_per_block} bytes, and one more for the null "
+                          f"block; {budget.detail}): raise {budget.setting}")
     # The longest request the blocks hold (any length up to the positions when every layer has a window).
     capacity = spec.groups.max_tokens_for(num_blocks, spec.block_size, limit=model.max_position,
                                           chunk=config.max_num_batched_tokens)
@@ -194,10 +212,10 @@ def load_model_and_cache(checkpoint: Checkpoint, model_config: ModelConfig, conf
         raise ConfigError(f"max_model_len={max_model_len} is beyond the model's {model.max_position} positions")
     if capacity < max_model_len:
         if config.max_model_len:
-            raise ConfigError(f"kv_cache_memory holds {capacity} tokens ({spec.bytes_per_token} bytes each), fewer "
-                              f"than max_model_len={max_model_len}: raise kv_cache_memory or lower max_model_len")
+            raise ConfigError(f"the KV cache holds {capacity} tokens ({spec.bytes_per_token} bytes each; "
+                              f"{budget.detail}), fewer than max_model_len={max_model_len}: raise {budget.setting}"
+                              f"{' or set kv_cache_memory' if budget.setting != 'kv_cache_memory' else ''}, or "
+                              f"lower max_model_len")
         max_model_len = capacity
         log.warning("max_model_len lowered to %d: the KV cache holds no more", capacity)
-    if num_blocks < 1:
-        raise ConfigError("kv_cache_memory is too small for a single KV block")
     return LoadedModel(model, KVCache(spec, num_blocks, device), device, max_model_len)
