@@ -98,12 +98,14 @@ def long_decodes_both_backends(shapes, q_dtype, window, softcap, threads):
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("d", [16, 64, 128])
-@pytest.mark.parametrize("hq,hkv,block_size", [(9, 3, 16), (4, 4, 3), (8, 2, 1), (6, 1, 32)])
+@pytest.mark.parametrize("d", [16, 48, 64, 128])
+@pytest.mark.parametrize("hq,hkv,block_size", [(9, 3, 16), (4, 4, 3), (8, 2, 1), (6, 1, 32), (20, 2, 16)])
 def test_bf16_queries_over_a_bf16_cache(d, hq, hkv, block_size):
     """A bf16 model's attention (bf16 queries, bf16 cache, head size a multiple of 16): on a host with AVX512-BF16
     the kernel's bf16 path (K and V read in place, probabilities rounded to bf16 for P V), else the widening one;
-    both are the reference's to bf16 precision, odd blocks and odd tails included (their unused slots hold NaN)."""
+    both are the reference's to bf16 precision, odd blocks and odd tails included (their unused slots hold NaN),
+    head sizes that end in half a chunk of 32 (16, 48), blocks of 32 taken 16 tokens at a time, and GQA groups
+    wider than one P V pass carries (10 > 8 rows)."""
     batch = paged_batch(SHAPES + [(44, 1), (17, 1)], hq, hkv, d, "bf16", block_size, num_blocks=1024,
                         q_dtype=torch.bfloat16, seed=d + block_size)
     got, want = attention_both_ways(batch, hkv, d)
@@ -133,7 +135,8 @@ def test_bf16_path_split_along_the_cache(window, softcap):
 def test_the_bf16_path_is_built_where_the_cpu_has_avx512_bf16(monkeypatch):
     monkeypatch.delenv(cpu_native.EXTRA_FLAGS_ENV, raising=False)  # the host's own build, as a server makes it
     flags = cpu_native.cpu_identity().split()
-    assert cpu_native.library().tm_attention_bf16_dot() == int("avx512_bf16" in flags and "avx512vl" in flags)
+    assert cpu_native.library().tm_attention_bf16_dot() == int(all(f in flags for f in ("avx512_bf16", "avx512bw",
+                                                                                        "avx512vl")))
 
 
 def test_merge_equals_attention_over_the_union():

@@ -19,7 +19,7 @@
 // long decode) -> segments are split along their cache into parts whose softmax states are merged at the end
 // (split-K, as flash decoding does).
 // Where the build has AVX512-BF16 a bf16 cache under bf16 queries (q_bf16: the float32 rows hold bf16 values) skips
-// the widening: the bf16 path below reads K and V in place (row_over_block_bf16).
+// the widening: the bf16 path below (walk_bf16) reads K and V in place, the G query rows of a KV head together.
 
 #include <math.h>
 #include <stdint.h>
@@ -34,6 +34,9 @@ enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_F16 = 2, KIND_FP8 = 3 };
 
 #define TILE_ROWS 64  // query-head rows sharing one widened block
 #define NEG_BIG (-1e30f)  // the running maximum before any score (finite: built with -ffast-math)
+
+// Floats of one row's accumulators in a tile's scratch: D padded to whole chunks of 32 (the bf16 path's unit).
+static inline int padded_dim(int D) { return (D + 31) / 32 * 32; }
 
 static float fp8_table[256];
 
@@ -57,7 +60,7 @@ static float f16_value(uint16_t h) {
 
 // 1 where this build has the bf16 path (AVX512-BF16): what a bf16 model's decode attention runs here.
 int tm_attention_bf16_dot(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return 1;
 #else
     return 0;
@@ -195,22 +198,28 @@ static inline __attribute__((always_inline)) void row_over_block(
     for (int d = 0; d < D; d++) a[d] = acc[d];
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_DPBF16 1
 // The bf16 path: a bf16 cache and queries whose values are bf16 (a bf16 model), D a multiple of 16. K and V are
-// read in place as bf16, no widening: vdpbf16ps multiplies pairs of bf16 and adds them into float32 lanes.
-// - Scores: a lane sums q[2i] k[2i] + q[2i + 1] k[2i + 1]; a token's lanes are summed as in dot_tokens. Exact
+// read in place as bf16, no widening: vdpbf16ps multiplies pairs of bf16 and adds them into float32 lanes, 32
+// elements of d (a "chunk"; the last one masked at D) per 512-bit register. The cache is taken SUB tokens at a time.
+// - Scores: one accumulator per token, lane i summing q[2i] k[2i] + q[2i + 1] k[2i + 1] over the chunks; the SUB
+//   accumulators are summed across lanes by one transpose-add (sum16) into one register of SUB scores. Exact
 //   products, float32 sums, as the widened path.
-// - P V: the probabilities are rounded to bf16 (as flash attention does before its P V product; the output is bf16
-//   anyway) and the softmax denominator sums the rounded values, so each row stays a convex combination of V.
-//   Tokens go in pairs: unpacking two V rows interleaves (V[t][d], V[t+1][d]), one vdpbf16ps by the pair
-//   (p[t], p[t+1]) adds both. The unpack works within 128-bit halves, so a row's float32 accumulators hold each
-//   16-wide chunk of d in the order 0-3, 8-11, 4-7, 12-15 (permuted_index), restored when the row is written out.
+// - Softmax in that register (softmax16): the probabilities are rounded to bf16 (as flash attention does before its
+//   P V product; the output is bf16 anyway) and the softmax denominator sums the rounded values, so each row stays a
+//   convex combination of V.
+// - P V (pv_rows): the query rows of one KV head go together, sharing each V load. Tokens go in pairs: unpacking two
+//   V rows interleaves (V[t][d], V[t+1][d]), one vdpbf16ps by the pair (p[t], p[t+1]) adds both. The unpack works
+//   within 128-bit lanes, so a row's float32 accumulators hold each chunk in a permuted order (chunk_position),
+//   restored when the row is written out (a row's accumulators are padded to whole chunks: padded_dim).
+#define SUB 16        // cache tokens per softmax step: one 512-bit register of float32 scores
+#define PV_ROWS 8     // most query rows one pass of pv_rows carries (2 accumulators each per chunk in registers)
 
-// Where d's accumulator sits in a permuted row (the permutation swaps the middle quads of every 16: its own inverse).
-static inline int permuted_index(int d) {
-    const int quad = (d >> 2) & 3;
-    return quad == 1 ? d + 4 : quad == 2 ? d - 4 : d;
+// Where d's accumulator sits in a permuted row: in each chunk of 32, the low unpack's lanes (d % 8 < 4) first.
+static inline int chunk_position(int d) {
+    const int chunk = d & ~31, e = d & 31, lane = e >> 3, i = e & 7;
+    return chunk + (i < 4 ? 4 * lane + i : 16 + 4 * lane + i - 4);
 }
 
 // The bf16 of float32 x rounded to nearest even (x finite).
@@ -220,77 +229,153 @@ static inline uint16_t bf16_round(float x) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-static inline float bf16_value(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+// The mask of chunk c's elements below D (epi16 lanes).
+static inline __mmask32 chunk_mask(int c, int D) {
+    const int left = D - 32 * c;
+    return left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1u);
 }
 
-// One query row (bf16 codes qb) over n tokens of the cache read in place (K of token t at k + t * stride, V at
-// v + t * stride, bf16): the online-softmax update of (m, l) and of the permuted accumulator row a.
-static inline __attribute__((always_inline)) void row_over_block_bf16(
-        const uint16_t *restrict qb, float *restrict a, const uint16_t *restrict k, const uint16_t *restrict v, int n,
-        int64_t stride, const int D, float sm_scale, float softcap, float *restrict m, float *restrict l,
-        float *restrict scores, uint16_t *restrict pb) {
-    for (int t = 0; t < n; t += 8) {
-        const uint16_t *kt[8];
-        for (int j = 0; j < 8; j++) kt[j] = k + (int64_t)(t + j < n ? t + j : n - 1) * stride;
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-        for (int d = 0; d < D; d += 16) {
-            const __m256bh qv = (__m256bh)_mm256_loadu_si256((const __m256i *)(qb + d));
-            for (int j = 0; j < 8; j++)
-                acc[j] = _mm256_dpbf16_ps(acc[j], qv, (__m256bh)_mm256_loadu_si256((const __m256i *)(kt[j] + d)));
+// Lane j of the result = the sum of a[j]'s 16 lanes: pairs, then quads, within 128-bit lanes, then across them.
+static inline __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)  // per 128-bit lane: (a2i, a2i+1) halves summed, interleaved
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  // per 128-bit lane: tokens 4i .. 4i + 3, one partial sum each
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+    const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44), _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
+}
+
+// e^x for x <= 0: 2^n e^r with |r| <= ln2 / 2, e^r by its Taylor polynomial to degree 6 (relative error < 2e-7, far
+// below the bf16 rounding the probabilities get next), 2^n applied by vscalefps (0 below e^-87).
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: exact n * hi
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// One query row (bf16 codes qb) over n <= SUB tokens of the cache (K of token t at k + t * stride): its SUB scores,
+// lanes >= n repeating token n - 1.
+static inline __attribute__((always_inline)) __m512 scores16(const uint16_t *restrict qb, const uint16_t *restrict k,
+                                                             int n, int64_t stride, const int D) {
+    const int chunks = (D + 31) / 32;
+    __m512i q[chunks];
+    for (int c = 0; c < chunks; c++) q[c] = _mm512_maskz_loadu_epi16(chunk_mask(c, D), qb + 32 * c);
+    __m512 acc[SUB];
+    for (int j = 0; j < SUB; j++) {
+        const uint16_t *kt = k + (int64_t)(j < n ? j : n - 1) * stride;
+        __m512 a = _mm512_setzero_ps();
+        for (int c = 0; c < chunks; c++)
+            a = _mm512_dpbf16_ps(a, (__m512bh)q[c], (__m512bh)_mm512_maskz_loadu_epi16(chunk_mask(c, D), kt + 32 * c));
+        acc[j] = a;
+    }
+    return sum16(acc);
+}
+
+// Every lane = the maximum (all_max) or the sum (all_sum) of x's 16 lanes, without leaving the vector registers.
+static inline __m512 all_max(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+    x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
+    return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+
+static inline __m512 all_sum(__m512 x) {
+    x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+    x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+    return _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+
+// A row's raw scores of n <= SUB tokens -> its probabilities rounded to bf16 in pb[0 .. SUB) (0 from n on) and the
+// online-softmax update of (m, l); returns the factor the row's accumulators are to be scaled by first. All in vector
+// registers (a row's softmax is one chain of dependent steps: scalar round trips would lengthen it).
+static inline float softmax16(__m512 s, int n, float sm_scale, float softcap, float *restrict m, float *restrict l,
+                              uint16_t *restrict pb) {
+    s = _mm512_mul_ps(s, _mm512_set1_ps(sm_scale));
+    if (softcap > 0.0f) {
+        float v[SUB];
+        _mm512_storeu_ps(v, s);
+        for (int t = 0; t < n; t++) v[t] = softcap * tanhf(v[t] / softcap);
+        s = _mm512_loadu_ps(v);
+    }
+    const __mmask16 valid = (__mmask16)(n >= SUB ? 0xFFFFu : (1u << n) - 1u);
+    const __m512 m_old = _mm512_set1_ps(*m);
+    const __m512 m_new = _mm512_max_ps(m_old, all_max(_mm512_mask_mov_ps(m_old, valid, s)));
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, m_new)));
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(p);
+    _mm256_storeu_si256((__m256i *)pb, rounded);
+    const __m512 kept = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+    const float correction = _mm512_cvtss_f32(exp16(_mm512_sub_ps(m_old, m_new)));  // 0 (e^-87) after NEG_BIG
+    *l = *l * correction + _mm512_cvtss_f32(all_sum(kept));
+    *m = _mm512_cvtss_f32(m_new);
+    return correction;
+}
+
+// acc_r = acc_r * correction[r] + P_r V for R rows (accumulator rows a[r], probabilities pb + r * SUB) over n <= SUB
+// tokens (V of token t at v + t * stride). An odd n's last token pairs with a zero weight and its own row again.
+static inline __attribute__((always_inline)) void pv_rows(float *const *a, const float *correction,
+                                                          const uint16_t *pb, const uint16_t *restrict v, int n,
+                                                          int64_t stride, int D, const int R) {
+    for (int c = 0; c < (D + 31) / 32; c++) {
+        const __mmask32 mask = chunk_mask(c, D);
+        __m512 lo[PV_ROWS], hi[PV_ROWS];
+        for (int r = 0; r < R; r++) {
+            const __m512 scale = _mm512_set1_ps(correction[r]);
+            lo[r] = _mm512_mul_ps(_mm512_loadu_ps(a[r] + 32 * c), scale);
+            hi[r] = _mm512_mul_ps(_mm512_loadu_ps(a[r] + 32 * c + 16), scale);
         }
-        float sums[8];
-        _mm256_storeu_ps(sums, sum_lanes8(acc));
-        memcpy(scores + t, sums, sizeof(float) * (size_t)(n - t < 8 ? n - t : 8));
-    }
-    const float block_max = scale_scores(scores, n, sm_scale, softcap);
-    const float m_new = block_max > *m ? block_max : *m;
-    const float correction = expf(*m - m_new);
-#pragma omp simd
-    for (int t = 0; t < n; t++) scores[t] = expf(scores[t] - m_new);
-    float sum = 0.0f;
-    for (int t = 0; t < n; t++) {
-        pb[t] = bf16_round(scores[t]);
-        sum += bf16_value(pb[t]);
-    }
-    pb[n] = 0;  // an odd block's last token pairs with a zero weight (and a zero row: its neighbour is not read)
-    *l = *l * correction + sum;
-    *m = m_new;
-    const int chunks = D / 16;
-    __m256 lo[chunks], hi[chunks];
-    const __m256 scale = _mm256_set1_ps(correction);
-    for (int c = 0; c < chunks; c++) {
-        lo[c] = _mm256_mul_ps(_mm256_loadu_ps(a + 16 * c), scale);
-        hi[c] = _mm256_mul_ps(_mm256_loadu_ps(a + 16 * c + 8), scale);
-    }
-    for (int t = 0; t < n; t += 2) {
-        uint32_t pair;
-        memcpy(&pair, pb + t, sizeof pair);
-        const __m256bh pp = (__m256bh)_mm256_set1_epi32((int)pair);
-        const uint16_t *v0 = v + (int64_t)t * stride, *v1 = v0 + stride;
-        if (t + 1 < n) {
-            for (int c = 0; c < chunks; c++) {
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(v0 + 16 * c));
-                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(v1 + 16 * c));
-                lo[c] = _mm256_dpbf16_ps(lo[c], (__m256bh)_mm256_unpacklo_epi16(x0, x1), pp);
-                hi[c] = _mm256_dpbf16_ps(hi[c], (__m256bh)_mm256_unpackhi_epi16(x0, x1), pp);
-            }
-        } else {
-            const __m256i zero = _mm256_setzero_si256();
-            for (int c = 0; c < chunks; c++) {
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(v0 + 16 * c));
-                lo[c] = _mm256_dpbf16_ps(lo[c], (__m256bh)_mm256_unpacklo_epi16(x0, zero), pp);
-                hi[c] = _mm256_dpbf16_ps(hi[c], (__m256bh)_mm256_unpackhi_epi16(x0, zero), pp);
+        for (int t = 0; t < n; t += 2) {
+            const uint16_t *v0 = v + (int64_t)t * stride, *v1 = t + 1 < n ? v0 + stride : v0;
+            const __m512i x0 = _mm512_maskz_loadu_epi16(mask, v0 + 32 * c);
+            const __m512i x1 = _mm512_maskz_loadu_epi16(mask, v1 + 32 * c);
+            const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+            const __m512bh high = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+            for (int r = 0; r < R; r++) {
+                uint32_t pair;
+                memcpy(&pair, pb + r * SUB + t, sizeof pair);
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+                lo[r] = _mm512_dpbf16_ps(lo[r], low, pp);
+                hi[r] = _mm512_dpbf16_ps(hi[r], high, pp);
             }
         }
+        for (int r = 0; r < R; r++) {
+            _mm512_storeu_ps(a[r] + 32 * c, lo[r]);
+            _mm512_storeu_ps(a[r] + 32 * c + 16, hi[r]);
+        }
     }
-    for (int c = 0; c < chunks; c++) {
-        _mm256_storeu_ps(a + 16 * c, lo[c]);
-        _mm256_storeu_ps(a + 16 * c + 8, hi[c]);
+}
+
+// pv_rows for any count of rows: passes of up to PV_ROWS, each with its count a constant.
+static void pv_group(float *const *a, const float *correction, const uint16_t *pb, const uint16_t *v, int n,
+                     int64_t stride, int D, int rows) {
+    for (int r0 = 0; r0 < rows; r0 += PV_ROWS) {
+        const int R = rows - r0 < PV_ROWS ? rows - r0 : PV_ROWS;
+        float *const *ar = a + r0;
+        const float *cr = correction + r0;
+        const uint16_t *pr = pb + r0 * SUB;
+        switch (R) {
+            case 1: pv_rows(ar, cr, pr, v, n, stride, D, 1); break;
+            case 2: pv_rows(ar, cr, pr, v, n, stride, D, 2); break;
+            case 3: pv_rows(ar, cr, pr, v, n, stride, D, 3); break;
+            case 4: pv_rows(ar, cr, pr, v, n, stride, D, 4); break;
+            case 5: pv_rows(ar, cr, pr, v, n, stride, D, 5); break;
+            case 6: pv_rows(ar, cr, pr, v, n, stride, D, 6); break;
+            case 7: pv_rows(ar, cr, pr, v, n, stride, D, 7); break;
+            default: pv_rows(ar, cr, pr, v, n, stride, D, PV_ROWS); break;
+        }
     }
 }
 #endif
@@ -338,6 +423,55 @@ static inline void prefetch_slice(const char *cache, int64_t first, int tokens, 
         }
 }
 
+#ifdef HAVE_DPBF16
+// attend_tile's bf16 path over the cache codes: its rows (query, head, group member) with their bf16 codes qb, running
+// maxima m, denominators l and accumulators acc + r * padded_dim(D) (permuted while the walk lasts, in d order after).
+static void walk_bf16(const uint16_t *codes, const int64_t *blocks, int kv_lo, int kv_hi, int rows, int h0, int hc,
+                      int G, int Hkv, int D, int block_size, float sm_scale, float softcap, float *m, float *l,
+                      float *acc, const uint16_t *qb) {
+    const int slots = 2 * Hkv, run = hc * D * 2;  // run: bytes of one token's K (or V) heads of this tile
+    const int64_t stride = (int64_t)slots * D;  // elements from one token's row to the next
+    uint16_t pb[TILE_ROWS * SUB];
+    float correction[TILE_ROWS];
+    float *arow[TILE_ROWS];
+    for (int r = 0; r < rows; r++) arow[r] = acc + (int64_t)r * padded_dim(D);
+    for (int start = kv_lo - kv_lo % block_size; start < kv_hi; start += block_size) {
+        const int skip = kv_lo > start ? kv_lo - start : 0;
+        const int count = (kv_hi - start < block_size ? kv_hi - start : block_size) - skip;
+        const uint16_t *first = codes + (blocks[start / block_size] * block_size + skip) * stride;
+        const int has_next = start + block_size < kv_hi;
+        const int64_t next = has_next ? blocks[start / block_size + 1] * block_size : 0;
+        for (int sub = 0; sub < count; sub += SUB) {
+            const int n = count - sub < SUB ? count - sub : SUB;
+            const uint16_t *tokens = first + sub * stride;
+            for (int g0 = 0; g0 < rows; g0 += G) {  // the G rows of one query over one KV head
+                const int kh = h0 + (g0 / G) % hc;
+                const uint16_t *k = tokens + (int64_t)kh * D, *v = tokens + (int64_t)(Hkv + kh) * D;
+                for (int r = g0; r < g0 + G; r++) {
+                    if (has_next && sub == 0)
+                        prefetch_slice((const char *)codes, next, block_size, slots, h0, Hkv, D, 2, run, r, rows);
+                    const uint16_t *qr = qb + (int64_t)r * D;
+                    __m512 s;
+                    if (D == 64)
+                        s = scores16(qr, k, n, stride, 64);
+                    else if (D == 128)
+                        s = scores16(qr, k, n, stride, 128);
+                    else
+                        s = scores16(qr, k, n, stride, D);
+                    correction[r] = softmax16(s, n, sm_scale, softcap, m + r, l + r, pb + r * SUB);
+                }
+                pv_group(arow + g0, correction + g0, pb + g0 * SUB, v, n, stride, D, G);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {  // the accumulators back in d order
+        float row[D];
+        for (int d = 0; d < D; d++) row[d] = arow[r][chunk_position(d)];
+        memcpy(arow[r], row, (size_t)D * sizeof(float));
+    }
+}
+#endif
+
 // The output row of tile row r: rows are (query, head, group member), r = (qi * hc + hh) * G + g.
 static inline int64_t tile_row(int r, int q_first, int h0, int hc, int G, int Hq) {
     const int qi = r / (hc * G), hh = (r / G) % hc, g = r % G;
@@ -350,15 +484,15 @@ static inline int64_t tile_row(int r, int q_first, int h0, int hc, int G, int Hq
 static void attend_tile(const float *q, float *out, float *lse, float *part, const void *cache, const float *scales,
                         int kind, const int64_t *blocks, int kv_lo, int kv_hi, int q_first, int q_count, int h0,
                         int hc, int Hq, int Hkv, int D, int block_size, float sm_scale, float softcap, int bf16_path,
-                        float *kbuf, float *vbuf, float *acc, float *scores, uint16_t *qb, uint16_t *pb) {
-    const int G = Hq / Hkv, rows = q_count * hc * G, slots = 2 * Hkv;
+                        float *kbuf, float *vbuf, float *acc, float *scores, uint16_t *qb) {
+    const int G = Hq / Hkv, rows = q_count * hc * G, slots = 2 * Hkv, adim = padded_dim(D);
     float m[TILE_ROWS], l[TILE_ROWS];
     const float *qrow[TILE_ROWS];
     for (int r = 0; r < rows; r++) {
         m[r] = NEG_BIG;
         l[r] = 0.0f;
         qrow[r] = q + tile_row(r, q_first, h0, hc, G, Hq) * D;
-        memset(acc + (int64_t)r * D, 0, (size_t)D * sizeof(float));
+        memset(acc + (int64_t)r * adim, 0, (size_t)adim * sizeof(float));
     }
     const int width = hc * D;  // floats of one token's K (or V) heads in the buffers
     const int elem = kind == KIND_F32 ? 4 : kind == KIND_FP8 ? 1 : 2;  // bytes of one cache element
@@ -366,35 +500,8 @@ static void attend_tile(const float *q, float *out, float *lse, float *part, con
     if (bf16_path) {
         for (int r = 0; r < rows; r++)  // the rows' bf16 codes (exact: their values are bf16)
             for (int d = 0; d < D; d++) qb[(int64_t)r * D + d] = bf16_round(qrow[r][d]);
-        const uint16_t *codes = (const uint16_t *)cache;
-        const int64_t stride = (int64_t)slots * D;  // elements from one token's row to the next
-        for (int start = kv_lo - kv_lo % block_size; start < kv_hi; start += block_size) {
-            const int skip = kv_lo > start ? kv_lo - start : 0;
-            const int n = (kv_hi - start < block_size ? kv_hi - start : block_size) - skip;
-            const uint16_t *first = codes + (blocks[start / block_size] * block_size + skip) * stride;
-            const int has_next = start + block_size < kv_hi;
-            const int64_t next = has_next ? blocks[start / block_size + 1] * block_size : 0;
-            for (int r = 0; r < rows; r++) {
-                if (has_next)
-                    prefetch_slice((const char *)cache, next, block_size, slots, h0, Hkv, D, elem, width * elem, r,
-                                   rows);
-                const int kh = h0 + (r / G) % hc;
-                const uint16_t *k = first + (int64_t)kh * D, *v = first + (int64_t)(Hkv + kh) * D;
-                float *a = acc + (int64_t)r * D;
-                const uint16_t *qr = qb + (int64_t)r * D;
-                if (D == 64)
-                    row_over_block_bf16(qr, a, k, v, n, stride, 64, sm_scale, softcap, m + r, l + r, scores, pb);
-                else if (D == 128)
-                    row_over_block_bf16(qr, a, k, v, n, stride, 128, sm_scale, softcap, m + r, l + r, scores, pb);
-                else
-                    row_over_block_bf16(qr, a, k, v, n, stride, D, sm_scale, softcap, m + r, l + r, scores, pb);
-            }
-        }
-        for (int r = 0; r < rows; r++) {  // the accumulators back in d order
-            float *a = acc + (int64_t)r * D, row[D];
-            for (int d = 0; d < D; d++) row[d] = a[permuted_index(d)];
-            memcpy(a, row, (size_t)D * sizeof(float));
-        }
+        walk_bf16((const uint16_t *)cache, blocks, kv_lo, kv_hi, rows, h0, hc, G, Hkv, D, block_size, sm_scale,
+                  softcap, m, l, acc, qb);
     } else
 #endif
     for (int start = kv_lo - kv_lo % block_size; start < kv_hi; start += block_size) {
@@ -420,7 +527,7 @@ static void attend_tile(const float *q, float *out, float *lse, float *part, con
             if (has_next)
                 prefetch_slice((const char *)cache, next, block_size, slots, h0, Hkv, D, elem, width * elem, r, rows);
             const int hh = (r / G) % hc;
-            float *a = acc + (int64_t)r * D;
+            float *a = acc + (int64_t)r * adim;
             const float *k = kbuf + hh * D, *v = vbuf + hh * D;
             if (D == 64)
                 row_over_block(qrow[r], a, k, v, n, width, 64, sm_scale, softcap, m + r, l + r, scores);
@@ -431,7 +538,7 @@ static void attend_tile(const float *q, float *out, float *lse, float *part, con
         }
     }
     for (int r = 0; r < rows; r++) {
-        const float *a = acc + (int64_t)r * D;
+        const float *a = acc + (int64_t)r * adim;
         if (part) {
             float *p = part + (int64_t)r * (D + 2);
             p[0] = m[r];
@@ -532,9 +639,9 @@ int tm_paged_attention(const float *q, float *out, float *lse, const void *cache
     const size_t width = (size_t)hc * D;
 #pragma omp parallel num_threads(threads) if (!failed)
     {
-        // kbuf, vbuf, acc, scores (floats), then the bf16 path's query codes and probabilities
-        const size_t floats = 2 * block_size * width + (size_t)TILE_ROWS * D + block_size;
-        float *scratch = malloc(sizeof(float) * floats + sizeof(uint16_t) * ((size_t)TILE_ROWS * D + block_size + 2));
+        // kbuf, vbuf, acc, scores (floats), then the bf16 path's query codes
+        const size_t accs = (size_t)TILE_ROWS * padded_dim(D), floats = 2 * block_size * width + accs + block_size;
+        float *scratch = malloc(sizeof(float) * floats + sizeof(uint16_t) * (size_t)TILE_ROWS * D);
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -563,8 +670,7 @@ int tm_paged_attention(const float *q, float *out, float *lse, const void *cache
             float *kbuf = scratch, *vbuf = kbuf + block_size * width, *acc = vbuf + block_size * width;
             attend_tile(q, out, lse, state_out, cache, scales, kind, block_tables + (int64_t)req[s] * table_stride, lo,
                         hi, q_start[s] + q0, count, h0, hc, Hq, Hkv, D, block_size, sm_scale, softcap, bf16_path,
-                        kbuf, vbuf, acc, acc + (size_t)TILE_ROWS * D, (uint16_t *)(scratch + floats),
-                        (uint16_t *)(scratch + floats) + (size_t)TILE_ROWS * D);
+                        kbuf, vbuf, acc, acc + accs, (uint16_t *)(scratch + floats));
         }
         if (states) {  // the split segments' tiles, each merged from its parts (after the loop's barrier)
 #pragma omp for schedule(dynamic, 1)
