@@ -97,13 +97,22 @@ def test_fastest_ratio_ignores_a_neighbour_that_slows_some_samples():
 @pytest.mark.parametrize("ratios,threshold", [
     ((1.5, 1.2, 0.8, 0.6, 0.7, 0.9), 4),  # plain wins below 4 rows
     ((0.9, 0.8, 0.8, 0.6, 0.7, 0.9), 1),  # packed everywhere
-    ((0.9, 0.8, 0.8, 0.6, 0.7, 1.1), None),  # packed loses at the largest row count: never packed
-    ((0.9, 1.1, 0.8, 0.6, 0.7, 0.9), 4),  # a loss at 2 rows puts the threshold above it
+    ((0.9, 0.8, 0.8, 0.6, 0.7, 1.1), 1),  # a loss at the largest count, outweighed by the wins below it
+    ((0.9, 1.1, 0.8, 0.6, 0.7, 0.9), 4),  # a tie in sum (from 1 or from 4 rows): the larger threshold
+    ((1.3, 1.2, 0.9, 0.8, 1.02, 0.8), 4),  # a near-tie lost at 64 rows does not send the threshold to 256
+    ((0.8, 0.9, 1.2, 1.3, 1.4, 1.5), None),  # packed wins only at 1-2 rows: a threshold cannot say so; never
+    ((1.1, 1.05, 1.02, 1.01, 1.03, 1.2), None),  # plain everywhere
     ((None, None, None, None, None, None), layouts.FALLBACK_PACKED_FROM_ROWS),  # too noisy: the known answer
+    ((1.2, None, None, None, None, None), layouts.FALLBACK_PACKED_FROM_ROWS),
 ])
-def test_threshold_is_the_smallest_row_count_from_which_packed_keeps_winning(monkeypatch, ratios, threshold):
+def test_threshold_makes_the_probed_times_cheapest_in_sum(monkeypatch, ratios, threshold):
+    """The threshold minimizes the summed packed / plain time over the probed row counts (plain below it)."""
     assert len(ratios) == len(layouts.LAYOUT_PROBE_ROWS)
     assert probe_with(monkeypatch, ratios) == threshold
+    rows = layouts.LAYOUT_PROBE_ROWS
+    def summed(t):  # the relative time of a threshold, by the formula; None and unmeasured counts as 1
+        return sum((r if r is not None and t is not None and n >= t else 1.0) for n, r in zip(rows, ratios))
+    assert summed(threshold) <= min(summed(t) for t in (*rows, None)) + 1e-9
 
 
 def test_layout_modes_and_the_memory_cap(monkeypatch):

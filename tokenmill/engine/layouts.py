@@ -46,6 +46,11 @@ FALLBACK_PACKED_FROM_ROWS = 4
 COLD_BYTES = 96 * 2**20
 # Rows above this are compute-bound: one copy of the weight is enough.
 COLD_ROWS_MAX = 16
+# How a threshold is chosen from the probed times (cheapest_threshold), part of every kept threshold's key: a
+# threshold settled by an earlier rule is measured again.
+RULE = "cheapest"
+# What a row count too noisy to measure adds for or against a threshold, in relative time (a tie-break, no more).
+UNMEASURED_VOTE = 1e-3
 # Interleaved samples of each layout per (shape, rows), and the seconds they may take.
 LAYOUT_SAMPLES = 9
 LAYOUT_BUDGET_S = 0.4
@@ -84,7 +89,7 @@ def choose_layouts(mode: str, shapes: dict[Shape, int], dtype: torch.dtype, thre
     torch.set_num_threads(threads)
     try:
         for (out, inp), count in sorted(shapes.items()):
-            key = f"{out}x{inp}:{dtype}:{threads} threads:{cold_copies(out, inp, count, dtype)} copies"
+            key = f"{out}x{inp}:{dtype}:{threads} threads:{cold_copies(out, inp, count, dtype)} copies:{RULE}"
             if key not in cache.thresholds:
                 cache.thresholds[key] = packed_from_rows(out, inp, count, dtype, threads, clock)
                 cache.dirty = True
@@ -108,42 +113,49 @@ def describe(layouts: Layouts) -> str:
 @functools.lru_cache(maxsize=None)  # engines of one process (tests) share what a shape measured
 def packed_from_rows(out: int, inp: int, count: int, dtype: torch.dtype, threads: int,
                      clock: Clock = time.perf_counter) -> int | None:
-    """The smallest probed row count from which packed is at least as fast at every larger probed count."""
+    """The row count from which the packed weight serves (cheapest_threshold of the probed packed / plain times)."""
     copies = cold_copies(out, inp, count, dtype)
     with torch.inference_mode():
         weights = [torch.randn(out, inp, dtype=dtype) / math.sqrt(inp) for _ in range(copies)]
         packed = [pack_weight(w) for w in weights]
-        wins = wins_by_rows(lambda x, n: ((lambda: [F.linear(x, w) for w in weights[:n]]),
-                                          (lambda: [packed_linear(x, p, None) for p in packed[:n]])),
-                            inp, dtype, copies, FALLBACK_PACKED_FROM_ROWS, clock)
-    threshold = first_of_winning_tail(wins)
-    log.debug("linear %dx%d (%s): packed wins at rows %s -> %s", out, inp, dtype,
-              [r for r, w in zip(LAYOUT_PROBE_ROWS, wins) if w], threshold)
+        ratios = ratios_by_rows(lambda x, n: ((lambda: [F.linear(x, w) for w in weights[:n]]),
+                                              (lambda: [packed_linear(x, p, None) for p in packed[:n]])),
+                                inp, dtype, copies, clock)
+    threshold = cheapest_threshold(ratios, FALLBACK_PACKED_FROM_ROWS)
+    log.debug("linear %dx%d (%s): packed / plain time by rows %s -> %s", out, inp, dtype,
+              dict(zip(LAYOUT_PROBE_ROWS, ratios)), threshold)
     return threshold
 
 
-def first_of_winning_tail(wins: list[bool], probe_rows: tuple[int, ...] = LAYOUT_PROBE_ROWS) -> int | None:
-    """The smallest of ``probe_rows`` from which every larger probed count won too (None: the largest lost)."""
-    threshold = None
-    for rows, win in zip(reversed(probe_rows), reversed(wins)):
-        if not win:
-            break
-        threshold = rows
-    return threshold
+def cheapest_threshold(ratios: list[float | None], fallback_from: int,
+                       probe_rows: tuple[int, ...] = LAYOUT_PROBE_ROWS) -> int | None:
+    """The threshold ``t`` (layout b from ``t`` rows up, a below; None: a always) that minimizes the summed relative
+    time over ``probe_rows``: the sum over counts r >= t of (ratio_r - 1), ratio_r = b's time / a's. A near-tie that
+    noise tips the wrong way then costs little and moves nothing far (the earlier rule, b from the smallest count
+    after which it never lost, sent a layer from 24 rows to 256 on one such tie at 64, and that layer ran 1.1-1.25x
+    slower at 24-64 rows). A count too noisy to measure (None) votes for ``fallback_from`` by UNMEASURED_VOTE. On a
+    tie the larger threshold stays (a, the layout the layer starts from, unless b is worth more)."""
+    best, best_cost, cost = None, 0.0, 0.0
+    for rows, ratio in zip(reversed(probe_rows), reversed(ratios)):
+        if ratio is None:
+            cost += -UNMEASURED_VOTE if rows >= fallback_from else UNMEASURED_VOTE
+        else:
+            cost += ratio - 1.0
+        if cost < best_cost - 1e-9:
+            best, best_cost = rows, cost
+    return best
 
 
-def wins_by_rows(pair, inp: int, dtype: torch.dtype, copies: int, fallback_from: int, clock: Clock,
-                 probe_rows: tuple[int, ...] = LAYOUT_PROBE_ROWS) -> list[bool]:
-    """For each of ``probe_rows``, whether ``b`` is at least as fast as ``a`` for ``(a, b) = pair(x, n)`` (x: that
-    many random rows; n: the weight copies to walk, all of them while memory-bound); where the machine is too noisy
-    to tell, whether the row count reaches ``fallback_from``."""
-    wins = []
+def ratios_by_rows(pair, inp: int, dtype: torch.dtype, copies: int, clock: Clock,
+                   probe_rows: tuple[int, ...] = LAYOUT_PROBE_ROWS) -> list[float | None]:
+    """For each of ``probe_rows``, ``b``'s time over ``a``'s for ``(a, b) = pair(x, n)`` (x: that many random rows;
+    n: the weight copies to walk, all of them while memory-bound); None where the machine is too noisy to tell."""
+    ratios = []
     for rows in probe_rows:
         a, b = pair(torch.randn(rows, inp, dtype=dtype), copies if rows <= COLD_ROWS_MAX else 1)
         a(), b()  # warm-up: first calls pick kernels, fault pages in
-        ratio = fastest_ratio(a, b, clock)
-        wins.append(rows >= fallback_from if ratio is None else ratio <= 1.0)
-    return wins
+        ratios.append(fastest_ratio(a, b, clock))
+    return ratios
 
 
 def fastest_ratio(a: Work, b: Work, clock: Clock = time.perf_counter, samples: int = LAYOUT_SAMPLES,

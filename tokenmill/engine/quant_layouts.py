@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.config import ConfigError, EngineConfig
-from tokenmill.engine.layouts import (COLD_ROWS_MAX, MAX_DUAL_SHARE, Layouts, MeasuredThresholds,
-                                      Shape, _itemsize, available_memory, cold_copies, first_of_winning_tail,
-                                      wins_by_rows)
+from tokenmill.engine.layouts import (COLD_ROWS_MAX, MAX_DUAL_SHARE, RULE, Layouts, MeasuredThresholds, Shape,
+                                      _itemsize, available_memory, cheapest_threshold, cold_copies, ratios_by_rows)
 from tokenmill.engine.probe import Clock
 from tokenmill.kernels.cpu_linear import pack_weight, packed_linear
 from tokenmill.kernels.cpu_native import source_digest
@@ -98,7 +97,7 @@ def choose_quant_layouts(candidates: dict[tuple[int, int, str], int], dense: dic
         for (out, inp, fmt), count in sorted(candidates.items()):
             packed_from = dense.get((out, inp))
             key = f"{out}x{inp}:{fmt}:{dtype}:{threads} threads:{cold_copies(out, inp, count, dtype)} copies:" \
-                  f"dense packed from {packed_from}:rows {QUANT_PROBE_ROWS}:kernels {source_digest()}"
+                  f"dense packed from {packed_from}:rows {QUANT_PROBE_ROWS}:kernels {source_digest()}:{RULE}"
             if key not in cache.thresholds:
                 cache.thresholds[key] = dense_from_rows(out, inp, count, fmt, dtype, packed_from, clock)
                 cache.dirty = True
@@ -117,9 +116,8 @@ def choose_quant_layouts(candidates: dict[tuple[int, int, str], int], dense: dic
 @functools.lru_cache(maxsize=None)
 def dense_from_rows(out: int, inp: int, count: int, fmt: str, dtype: torch.dtype, packed_from: int | None,
                     clock: Clock = time.perf_counter) -> int | None:
-    """The smallest probed row count from which the dense layout (packed from ``packed_from`` rows, plain below) is
-    at least as fast as the quantized kernel at every larger probed count; None where the quantized one wins at the
-    largest."""
+    """The row count from which the dense layout (packed from ``packed_from`` rows, plain below) serves instead of
+    the quantized kernel: cheapest_threshold of the probed dense / quantized times (None: quantized always)."""
     copies = cold_copies(out, inp, count, dtype)
     weight_format = WeightFormat.parse(fmt)
     with torch.inference_mode():
@@ -130,11 +128,11 @@ def dense_from_rows(out: int, inp: int, count: int, fmt: str, dtype: torch.dtype
         def dense(x: torch.Tensor, n: int) -> list[torch.Tensor]:
             use_packed = packed_from is not None and x.shape[0] >= packed_from
             return [packed_linear(x, p, None) if use_packed else F.linear(x, w) for w, p in zip(weights[:n], packed)]
-        wins = wins_by_rows(lambda x, n: ((lambda: [kernel(x) for kernel in quantized[:n]]), (lambda: dense(x, n))),
-                            inp, dtype, copies, COLD_ROWS_MAX, clock, QUANT_PROBE_ROWS)
-    threshold = first_of_winning_tail(wins, QUANT_PROBE_ROWS)
-    log.debug("linear %dx%d %s: dense wins at rows %s -> %s", out, inp, fmt,
-              [r for r, w in zip(QUANT_PROBE_ROWS, wins) if w], threshold)
+        ratios = ratios_by_rows(lambda x, n: ((lambda: [kernel(x) for kernel in quantized[:n]]),
+                                              (lambda: dense(x, n))), inp, dtype, copies, clock, QUANT_PROBE_ROWS)
+    threshold = cheapest_threshold(ratios, COLD_ROWS_MAX, QUANT_PROBE_ROWS)
+    log.debug("linear %dx%d %s: dense / quantized time by rows %s -> %s", out, inp, fmt,
+              dict(zip(QUANT_PROBE_ROWS, ratios)), threshold)
     return threshold
 
 
