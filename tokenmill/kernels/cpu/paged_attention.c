@@ -433,6 +433,7 @@ static void walk_bf16(const uint16_t *codes, const int64_t *blocks, int kv_lo, i
     const int64_t stride = (int64_t)slots * D;  // elements from one token's row to the next
     uint16_t pb[TILE_ROWS * SUB];
     float correction[TILE_ROWS];
+    __m512 row_scores[TILE_ROWS];
     float *arow[TILE_ROWS];
     for (int r = 0; r < rows; r++) arow[r] = acc + (int64_t)r * padded_dim(D);
     for (int start = kv_lo - kv_lo % block_size; start < kv_hi; start += block_size) {
@@ -444,22 +445,24 @@ static void walk_bf16(const uint16_t *codes, const int64_t *blocks, int kv_lo, i
         for (int sub = 0; sub < count; sub += SUB) {
             const int n = count - sub < SUB ? count - sub : SUB;
             const uint16_t *tokens = first + sub * stride;
-            for (int g0 = 0; g0 < rows; g0 += G) {  // the G rows of one query over one KV head
+            // The G rows of one query over one KV head: their scores, then their softmaxes (each a chain of dependent
+            // steps: side by side, a core overlaps the rows'), then P V for all G at once.
+            for (int g0 = 0; g0 < rows; g0 += G) {
                 const int kh = h0 + (g0 / G) % hc;
                 const uint16_t *k = tokens + (int64_t)kh * D, *v = tokens + (int64_t)(Hkv + kh) * D;
                 for (int r = g0; r < g0 + G; r++) {
                     if (has_next && sub == 0)
                         prefetch_slice((const char *)codes, next, block_size, slots, h0, Hkv, D, 2, run, r, rows);
                     const uint16_t *qr = qb + (int64_t)r * D;
-                    __m512 s;
                     if (D == 64)
-                        s = scores16(qr, k, n, stride, 64);
+                        row_scores[r] = scores16(qr, k, n, stride, 64);
                     else if (D == 128)
-                        s = scores16(qr, k, n, stride, 128);
+                        row_scores[r] = scores16(qr, k, n, stride, 128);
                     else
-                        s = scores16(qr, k, n, stride, D);
-                    correction[r] = softmax16(s, n, sm_scale, softcap, m + r, l + r, pb + r * SUB);
+                        row_scores[r] = scores16(qr, k, n, stride, D);
                 }
+                for (int r = g0; r < g0 + G; r++)
+                    correction[r] = softmax16(row_scores[r], n, sm_scale, softcap, m + r, l + r, pb + r * SUB);
                 pv_group(arow + g0, correction + g0, pb + g0 * SUB, v, n, stride, D, G);
             }
         }
