@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tokenmill.engine.layouts import COLD_ROWS_MAX, cheapest_threshold, cold_copies, ratios_by_rows
-from tokenmill.engine.quant_layouts import QUANT_PROBE_ROWS
+from tokenmill.engine.layouts import cheapest_threshold, cold_copies, ratios_by_rows
+from tokenmill.engine.quant_layouts import FALLBACK_DENSE_FROM_ROWS, QUANT_PROBE_ROWS
 from tokenmill.kernels.cpu_linear import pack_weight, packed_linear
 from tokenmill.kernels.quant_linear import CPUQuantMatmul, WeightFormat, quantize
 
@@ -61,8 +61,8 @@ def main() -> None:
                                         probe_rows=QUANT_PROBE_ROWS)
                 row = {"shape": f"{out}x{inp}", "format": fmt, "repeat": repeat,
                        "dense_over_quantized": dict(zip(QUANT_PROBE_ROWS, ratios)),
-                       "threshold_cheapest": cheapest_threshold(ratios, COLD_ROWS_MAX, QUANT_PROBE_ROWS),
-                       "threshold_never_lost": never_lost_from(ratios, COLD_ROWS_MAX)}
+                       "threshold_cheapest": cheapest_threshold(ratios, FALLBACK_DENSE_FROM_ROWS, QUANT_PROBE_ROWS),
+                       "threshold_never_lost": never_lost_from(ratios, FALLBACK_DENSE_FROM_ROWS)}
                 rows_out.append(row)
                 print(f"{out}x{inp} {fmt} #{repeat}: cheapest {row['threshold_cheapest']}, never-lost "
                       f"{row['threshold_never_lost']}; ratios " + " ".join(

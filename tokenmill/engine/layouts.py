@@ -44,11 +44,13 @@ LAYOUT_PROBE_ROWS = (1, 2, 4, 16, 64, 256)
 FALLBACK_PACKED_FROM_ROWS = 4
 # Bytes of weight copies a memory-bound timing walks through (beyond any CPU's last-level cache).
 COLD_BYTES = 96 * 2**20
-# Rows above this are compute-bound: one copy of the weight is enough.
-COLD_ROWS_MAX = 16
+# Row counts up to this walk cold weight copies; above, one copy is enough (compute-bound). A decode batch of up to
+# 64 rows still reads its weights from memory in a real step: timed on one warm copy at 24-48 rows, the dense GEMM
+# looked level with or faster than the int4 kernel, on cold copies 1.04-1.28x slower (Zen 4, SmolLM2's shapes).
+COLD_ROWS_MAX = 64
 # How a threshold is chosen from the probed times (cheapest_threshold), part of every kept threshold's key: a
 # threshold settled by an earlier rule is measured again.
-RULE = "cheapest"
+RULE = "cheapest, cold to 64 rows"
 # What a row count too noisy to measure adds for or against a threshold, in relative time (a tie-break, no more).
 UNMEASURED_VOTE = 1e-3
 # Interleaved samples of each layout per (shape, rows), and the seconds they may take.

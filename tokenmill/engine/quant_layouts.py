@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.config import ConfigError, EngineConfig
-from tokenmill.engine.layouts import (COLD_ROWS_MAX, MAX_DUAL_SHARE, RULE, Layouts, MeasuredThresholds, Shape,
+from tokenmill.engine.layouts import (MAX_DUAL_SHARE, RULE, Layouts, MeasuredThresholds, Shape,
                                       _itemsize, available_memory, cheapest_threshold, cold_copies, ratios_by_rows)
 from tokenmill.engine.probe import Clock
 from tokenmill.kernels.cpu_linear import pack_weight, packed_linear
@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 # ran 1.1-1.4x slower than dense: an AVX-512 Xeon, SmolLM2's shapes); the interleaved kernel between 16 and 64
 # (benchmarks/results/quant-kernel-vnni.json: against dense bf16 the 3072x576 layer crosses near 32 rows).
 QUANT_PROBE_ROWS = (1, 2, 4, 6, 8, 10, 12, 14, 16, 24, 32, 48, 64, 256)
+# Where the machine is too noisy to tell: the quantized kernels read fewer bytes, which pays while a call is
+# memory-bound (small batches).
+FALLBACK_DENSE_FROM_ROWS = 16
 QuantLayouts = tuple[tuple[int, int, str, "int | None"], ...]
 
 
@@ -130,7 +133,7 @@ def dense_from_rows(out: int, inp: int, count: int, fmt: str, dtype: torch.dtype
             return [packed_linear(x, p, None) if use_packed else F.linear(x, w) for w, p in zip(weights[:n], packed)]
         ratios = ratios_by_rows(lambda x, n: ((lambda: [kernel(x) for kernel in quantized[:n]]),
                                               (lambda: dense(x, n))), inp, dtype, copies, clock, QUANT_PROBE_ROWS)
-    threshold = cheapest_threshold(ratios, COLD_ROWS_MAX, QUANT_PROBE_ROWS)
+    threshold = cheapest_threshold(ratios, FALLBACK_DENSE_FROM_ROWS, QUANT_PROBE_ROWS)
     log.debug("linear %dx%d %s: dense / quantized time by rows %s -> %s", out, inp, fmt,
               dict(zip(QUANT_PROBE_ROWS, ratios)), threshold)
     return threshold
