@@ -1,5 +1,5 @@
 """How steady the start-up choice of quantized vs dense per layer shape is: the probe of engine/quant_layouts.py
-(dense / quantized time at each of QUANT_PROBE_ROWS, interleaved samples, cold weight copies) repeated ``--repeats``
+(``dense_over_quantized``: dense / quantized time at each of QUANT_PROBE_ROWS) repeated ``--repeats``
 times on the default model's shapes, each repeat's threshold by the rule in use (engine/layouts.py
 ``cheapest_threshold``: least summed relative time) and by the earlier one (dense from the smallest probed count
 after which it never lost), from the same measured ratios.
@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from tokenmill.engine.layouts import cheapest_threshold, cold_copies, ratios_by_rows
-from tokenmill.engine.quant_layouts import FALLBACK_DENSE_FROM_ROWS, QUANT_PROBE_ROWS
-from tokenmill.kernels.cpu_linear import pack_weight, packed_linear
-from tokenmill.kernels.quant_linear import CPUQuantMatmul, WeightFormat, quantize
+from tokenmill.engine.layouts import cheapest_threshold
+from tokenmill.engine.quant_layouts import FALLBACK_DENSE_FROM_ROWS, QUANT_PROBE_ROWS, dense_over_quantized
 
 # SmolLM2-135M's GGUF (Q4_0 layers, a Q8_0 LM head): (out, in, format, layers of the shape)
 SHAPES = [(960, 576, "int4-g32", 30), (576, 576, "int4-g32", 30), (3072, 576, "int4-g32", 30),
@@ -45,29 +40,19 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/layout-probe.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    dtype, rows_out = torch.bfloat16, []
+    rows_out = []
     for out, inp, fmt, count in SHAPES:
-        copies = cold_copies(out, inp, count, dtype)
-        with torch.inference_mode():
-            weights = [torch.randn(out, inp, dtype=dtype) / math.sqrt(inp) for _ in range(copies)]
-            packed = [pack_weight(w) for w in weights]
-            kernels = [CPUQuantMatmul(WeightFormat.parse(fmt), q["qweight"], q["scales"], q.get("mins"))
-                       for q in (quantize(w, WeightFormat.parse(fmt)) for w in weights)]
-            dense = (lambda x, n: [packed_linear(x, p, None) for p in packed[:n]]) if packed[0] is not None else \
-                (lambda x, n: [F.linear(x, w) for w in weights[:n]])
-            for repeat in range(args.repeats):
-                ratios = ratios_by_rows(lambda x, n: ((lambda: [k(x) for k in kernels[:n]]), (lambda: dense(x, n))),
-                                        inp, dtype, copies, clock=time.perf_counter,
-                                        probe_rows=QUANT_PROBE_ROWS)
-                row = {"shape": f"{out}x{inp}", "format": fmt, "repeat": repeat,
-                       "dense_over_quantized": dict(zip(QUANT_PROBE_ROWS, ratios)),
-                       "threshold_cheapest": cheapest_threshold(ratios, FALLBACK_DENSE_FROM_ROWS, QUANT_PROBE_ROWS),
-                       "threshold_never_lost": never_lost_from(ratios, FALLBACK_DENSE_FROM_ROWS)}
-                rows_out.append(row)
-                print(f"{out}x{inp} {fmt} #{repeat}: cheapest {row['threshold_cheapest']}, never-lost "
-                      f"{row['threshold_never_lost']}; ratios " + " ".join(
-                          f"{r}:{v:.2f}" if v is not None else f"{r}:-" for r, v in zip(QUANT_PROBE_ROWS, ratios)),
-                      flush=True)
+        for repeat in range(args.repeats):  # the dense layout packed from 1 row: oneDNN's packed GEMM throughout
+            ratios = dense_over_quantized(out, inp, count, fmt, torch.bfloat16, 1)
+            row = {"shape": f"{out}x{inp}", "format": fmt, "repeat": repeat,
+                   "dense_over_quantized": dict(zip(QUANT_PROBE_ROWS, ratios)),
+                   "threshold_cheapest": cheapest_threshold(ratios, FALLBACK_DENSE_FROM_ROWS, QUANT_PROBE_ROWS),
+                   "threshold_never_lost": never_lost_from(ratios, FALLBACK_DENSE_FROM_ROWS)}
+            rows_out.append(row)
+            print(f"{out}x{inp} {fmt} #{repeat}: cheapest {row['threshold_cheapest']}, never-lost "
+                  f"{row['threshold_never_lost']}; ratios " + " ".join(
+                      f"{r}:{v:.2f}" if v is not None else f"{r}:-" for r, v in zip(QUANT_PROBE_ROWS, ratios)),
+                  flush=True)
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     command = f"python benchmarks/layout_probe.py --repeats {args.repeats} --threads {args.threads}"

@@ -45,8 +45,9 @@ FALLBACK_PACKED_FROM_ROWS = 4
 # Bytes of weight copies a memory-bound timing walks through (beyond any CPU's last-level cache).
 COLD_BYTES = 96 * 2**20
 # Row counts up to this walk cold weight copies; above, one copy is enough (compute-bound). A decode batch of up to
-# 64 rows still reads its weights from memory in a real step: timed on one warm copy at 24-48 rows, the dense GEMM
-# looked level with or faster than the int4 kernel, on cold copies 1.04-1.28x slower (Zen 4, SmolLM2's shapes).
+# 64 rows still reads its weights from memory in a real step: probed on one warm copy at 24-48 rows the dense GEMM
+# took 0.63-1.02x the int4 kernel's time, on cold copies 1.02-1.23x (Zen 4, SmolLM2's shapes, an hour apart:
+# benchmarks/results/layout-probe-zen4.json, -cold64.json).
 COLD_ROWS_MAX = 64
 # How a threshold is chosen from the probed times (cheapest_threshold), part of every kept threshold's key: a
 # threshold settled by an earlier rule is measured again.

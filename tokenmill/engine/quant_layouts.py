@@ -121,6 +121,17 @@ def dense_from_rows(out: int, inp: int, count: int, fmt: str, dtype: torch.dtype
                     clock: Clock = time.perf_counter) -> int | None:
     """The row count from which the dense layout (packed from ``packed_from`` rows, plain below) serves instead of
     the quantized kernel: cheapest_threshold of the probed dense / quantized times (None: quantized always)."""
+    ratios = dense_over_quantized(out, inp, count, fmt, dtype, packed_from, clock)
+    threshold = cheapest_threshold(ratios, FALLBACK_DENSE_FROM_ROWS, QUANT_PROBE_ROWS)
+    log.debug("linear %dx%d %s: dense / quantized time by rows %s -> %s", out, inp, fmt,
+              dict(zip(QUANT_PROBE_ROWS, ratios)), threshold)
+    return threshold
+
+
+def dense_over_quantized(out: int, inp: int, count: int, fmt: str, dtype: torch.dtype, packed_from: int | None,
+                         clock: Clock = time.perf_counter) -> list[float | None]:
+    """The dense layout's time over the quantized kernel's at each of QUANT_PROBE_ROWS (None: too noisy), on random
+    weights of the shape, walking as many cold copies as the model has layers of it (up to COLD_BYTES)."""
     copies = cold_copies(out, inp, count, dtype)
     weight_format = WeightFormat.parse(fmt)
     with torch.inference_mode():
@@ -131,12 +142,8 @@ def dense_from_rows(out: int, inp: int, count: int, fmt: str, dtype: torch.dtype
         def dense(x: torch.Tensor, n: int) -> list[torch.Tensor]:
             use_packed = packed_from is not None and x.shape[0] >= packed_from
             return [packed_linear(x, p, None) if use_packed else F.linear(x, w) for w, p in zip(weights[:n], packed)]
-        ratios = ratios_by_rows(lambda x, n: ((lambda: [kernel(x) for kernel in quantized[:n]]),
-                                              (lambda: dense(x, n))), inp, dtype, copies, clock, QUANT_PROBE_ROWS)
-    threshold = cheapest_threshold(ratios, FALLBACK_DENSE_FROM_ROWS, QUANT_PROBE_ROWS)
-    log.debug("linear %dx%d %s: dense / quantized time by rows %s -> %s", out, inp, fmt,
-              dict(zip(QUANT_PROBE_ROWS, ratios)), threshold)
-    return threshold
+        return ratios_by_rows(lambda x, n: ((lambda: [kernel(x) for kernel in quantized[:n]]),
+                                            (lambda: dense(x, n))), inp, dtype, copies, clock, QUANT_PROBE_ROWS)
 
 
 def describe_quant(layouts: QuantLayouts) -> str:
