@@ -1,6 +1,7 @@
 """The quantized linear kernels on this CPU, at SmolLM2's shapes, against the alternatives: tokenmill's C kernels
 (int4 / int8 weights x int8 activations: kernels/cpu/quant_linear.c row at a time, int4 with fp16 and with float32
-scales; and, on a host with AVX-512 VNNI or AVX2, kernels/cpu/quant_linear_x16.c over the interleaved layout),
+scales; and, on a host with AVX-512 VNNI or AVX2, kernels/cpu/quant_linear_x16.c over the interleaved layout, with
+AMX its tile build too),
 PyTorch's own int4 CPU matmul (``_weight_int4pack_mm_for_cpu``: bf16 activations, (q - 8) * scale + zero) and int8
 weight-only matmul (``_weight_int8pack_mm``, per channel), and the dense float32 and bfloat16 weights packed for
 oneDNN (what tokenmill runs otherwise). Each case walks as many weight copies as the model has layers of that shape,
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.kernels.cpu_linear import pack_weight, packed_linear
-from tokenmill.kernels.cpu_native import x16_available
+from tokenmill.kernels.cpu_native import amx_available, x16_available
 from tokenmill.kernels.quant_linear import CPUQuantMatmul, WeightFormat, quantize
 
 SHAPES = {"qkv": (960, 576, 30), "o": (576, 576, 30), "gate_up": (3072, 576, 30), "down": (576, 1536, 30),
@@ -65,6 +66,9 @@ def main() -> int:
             x16 = x16_available()
             k4x = [CPUQuantMatmul(int4, q["qweight"], q["scales"], q["mins"]) for q in q4] if x16 else []
             k8x = [CPUQuantMatmul(int8, q["qweight"], q["scales"], None) for q in q8] if x16 else []
+            amx = x16 and amx_available()
+            k4a = [CPUQuantMatmul(int4, q["qweight"], q["scales"], q["mins"], amx_from_rows=1) for q in q4] if amx else []
+            k8a = [CPUQuantMatmul(int8, q["qweight"], q["scales"], None, amx_from_rows=1) for q in q8] if amx else []
             codes = [torch.randint(0, 16, (out, inp), dtype=torch.int32) for _ in range(copies)]
             torch_int4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(c, 1) for c in codes]
             sz = torch.randn(inp // 32, out, 2).bfloat16()
@@ -82,6 +86,8 @@ def main() -> int:
                     "tokenmill int8-g32": lambda: [k(x) for k in k8],
                     **({"tokenmill int4-g32 interleaved": lambda: [k(x) for k in k4x],
                         "tokenmill int8-g32 interleaved": lambda: [k(x) for k in k8x]} if x16 else {}),
+                    **({"tokenmill int4-g32 AMX": lambda: [k(x) for k in k4a],
+                        "tokenmill int8-g32 AMX": lambda: [k(x) for k in k8a]} if amx else {}),
                     "torch int4 (bf16 activations)": lambda: [
                         torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, 32, sz) for w in torch_int4],
                     "torch int8 weight-only (per channel)": lambda: [

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.kernels.cpu_native import EXTRA_FLAGS_ENV, library, x16_register_rows
+from tokenmill.kernels.cpu_native import EXTRA_FLAGS_ENV, amx_available, library, x16_register_rows
 from tokenmill.kernels.quant_linear import (WeightFormat, dequantize, pack_int4, quant_linear_cpu,
                                             quant_linear_reference, quantize, quantize_activations, repack_x16,
                                             unpack_int4, unpack_x16)
@@ -114,6 +114,52 @@ def test_kernel_over_a_layer_held_interleaved(name):
     held = CPUQuantMatmul(fmt, *repack_x16(fmt, t["qweight"], t["scales"], t.get("mins")), repacked_rows=37)
     ref = quant_linear_reference(x, fmt, t["qweight"], t["scales"], t.get("mins"), int8_activations=True)
     torch.testing.assert_close(held(x), ref, rtol=1e-4, atol=5e-4)
+
+
+def bf16_product(x: torch.Tensor, fmt: WeightFormat, t: dict[str, torch.Tensor], bias: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """The AMX build's definition: x and the dequantized weight each rounded to bf16, products summed in float64."""
+    w = dequantize(fmt, t["qweight"], t["scales"], t.get("mins")).bfloat16().double()
+    out = x.bfloat16().double() @ w.t()
+    return (out + bias.double() if bias is not None else out).float()
+
+
+needs_amx = pytest.mark.skipif(not amx_available(), reason="no AMX here (or no kernels): the integer build ran above")
+
+
+@needs_amx
+@pytest.mark.parametrize("name", [n for n in FORMATS if not n.startswith("fp8")])
+@pytest.mark.parametrize("rows", [1, 16, 17, 32, 45])
+def test_amx_build_matches_its_definition(name, rows):
+    """Rows past 16 and 32 (a second A tile, a partial chunk), 37 outputs (a partial tile), short last groups."""
+    from tokenmill.kernels.quant_linear import CPUQuantMatmul
+    fmt = WeightFormat.parse(name)
+    t = weights(fmt, 37, 160)
+    x, bias = torch.randn(rows, 160) * 3, torch.randn(37)
+    kernel = CPUQuantMatmul(fmt, t["qweight"], t["scales"], t.get("mins"), bias, amx_from_rows=1)
+    want = bf16_product(x, fmt, t, bias)
+    torch.testing.assert_close(kernel(x), want, rtol=1e-5, atol=1e-4)  # float32 sums in another order
+
+
+@needs_amx
+def test_a_layer_takes_the_amx_build_from_its_threshold():
+    """Below ``amx_from_rows`` the integer build (int8 activations), from it the AMX one, over the same buffers."""
+    from tokenmill.kernels.backend import KernelChoice
+    from tokenmill.models.layers.linear import QuantLinear
+    fmt = WeightFormat.parse("int4-g32")
+    t = weights(fmt, 48, 576)
+    layer = QuantLinear(576, 48, bias=False, fmt=fmt, amx_from_rows=8)
+    for name in ("qweight", "scales", "mins"):
+        getattr(layer, name).copy_(t[name])
+    layer.kernels = KernelChoice(backend="cpu")
+    layer.prepare_cpu()
+    for rows in (7, 8, 40):
+        x = torch.randn(rows, 576)
+        if rows < 8:
+            want = quant_linear_reference(x, fmt, t["qweight"], t["scales"], t["mins"], int8_activations=True)
+            torch.testing.assert_close(layer.run(x), want, rtol=1e-4, atol=5e-4)
+        else:
+            torch.testing.assert_close(layer.run(x), bf16_product(x, fmt, t, None), rtol=1e-5, atol=1e-4)
 
 
 @needs_kernels

@@ -62,21 +62,26 @@ def test_auto_runs_each_call_on_the_layout_its_row_count_settled(smollm_llm):
     quantized kernel below its ``dense_from_rows`` and the dense weight (the fp32 model's) from it up."""
     import torch
 
-    from tokenmill.kernels.quant_linear import quant_linear_reference
+    from tokenmill.kernels.quant_linear import dequantize, quant_linear_reference
 
     llm = LLM(dtype="float32", kv_cache_dtype="fp32", kv_cache_memory="64MiB", max_model_len=1024,
               quantization="auto")
     dense_model = smollm_llm.engine.runner.model
     quantized = {name: m for name, m in llm.engine.runner.model.named_modules() if isinstance(m, QuantLinear)}
-    table = {(out, inp, fmt): t for out, inp, fmt, t in llm.engine.settled.quant_layouts}
+    table = {(out, inp, fmt): (t, amx) for out, inp, fmt, t, amx in llm.engine.settled.quant_layouts}
     for name, layer in quantized.items():
-        assert table[(layer.out_features, layer.in_features, layer.fmt.name)] == layer.dense_from_rows != 1
+        threshold, amx_from = table[(layer.out_features, layer.in_features, layer.fmt.name)]
+        assert threshold == layer.dense_from_rows != 1 and amx_from == layer.amx_from_rows
         dense = dense_model.get_submodule(name)
         for rows in (1, 3, 16, 64):
             x = torch.randn(rows, layer.in_features)
             got = layer.run(x)
             if layer.dense_from_rows is not None and rows >= layer.dense_from_rows:
                 torch.testing.assert_close(got, dense.run(x) if hasattr(dense, "run") else dense(x))
+            elif layer.amx_from_rows and rows >= layer.amx_from_rows:  # x and the weight rounded to bf16
+                w = dequantize(layer.fmt, *layer.canonical()).bfloat16().double()
+                ref = (x.bfloat16().double() @ w.t()).float()
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
             else:
                 ref = quant_linear_reference(x, layer.fmt, *layer.canonical(), int8_activations=True)
                 torch.testing.assert_close(got, ref, rtol=1e-4, atol=5e-4)

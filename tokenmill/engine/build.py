@@ -127,16 +127,17 @@ def checkpoint_weights(checkpoint: Checkpoint, model: torch.nn.Module, model_con
 
 def quantization_plan(model: torch.nn.Module, model_config: ModelConfig, mode: str, group_size: int, table: tuple
                       ) -> dict[str, LinearPlan]:
-    """The settled table applied to the model's candidates: each layer's format and dense threshold; a candidate
-    whose shape measured dense at every row count (threshold 1) stays dense."""
-    thresholds = {(out, inp, fmt): t for out, inp, fmt, t in table}
+    """The settled table applied to the model's candidates: each layer's format, dense and AMX thresholds; a
+    candidate whose shape measured dense at every row count (threshold 1) stays dense."""
+    thresholds = {(out, inp, fmt): (t, amx) for out, inp, fmt, t, amx in table}
     ordered = model_config.quantization is not None and has_input_order(model_config.quantization.config)
     plan = {}
     for path, (fmt, at_load) in candidate_formats(model, model_config, mode, group_size).items():
         layer = model.get_submodule(path)
-        threshold = thresholds.get((layer.out_features, layer.in_features, fmt), 1)
+        threshold, amx_from = thresholds.get((layer.out_features, layer.in_features, fmt), (1, 0))
         if threshold != 1:
-            plan[path] = LinearPlan(fmt, threshold, at_load, input_order=ordered and not at_load)
+            plan[path] = LinearPlan(fmt, threshold, at_load, input_order=ordered and not at_load,
+                                    amx_from_rows=amx_from)
     return plan
 
 

@@ -80,7 +80,8 @@ class Settled:
     tensor_parallel_size: int
     # CPU linear layers: ((out, in, packed_from_rows | None), ...) per shape (engine/layouts.py); () = all plain.
     linear_layouts: Layouts = ()
-    # Quantized candidates: ((out, in, format, dense_from_rows | None), ...) (engine/layouts.py); () = none.
+    # Quantized candidates: ((out, in, format, dense_from_rows | None, amx_from_rows), ...) (engine/quant_layouts.py);
+    # () = none.
     quant_layouts: QuantLayouts = ()
     # CPU decode attention's prefetch target (engine/attention_prefetch.py): "l1" | "l2".
     attention_prefetch: str = "l1"

@@ -106,6 +106,7 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
     lib.tm_quant_linear_prepared.restype = ctypes.c_int
     lib.tm_quant_linear_prepared.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.tm_x16_register_rows.restype = ctypes.c_int
+    lib.tm_amx_available.restype = ctypes.c_int
     lib.tm_quant_linear_x16.restype = ctypes.c_int
     lib.tm_quant_linear_x16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                         ctypes.c_void_p]
@@ -124,7 +125,7 @@ class X16Weight(ctypes.Structure):
     """kernels/cpu/quant_linear_x16.c's tm_x16_weight: a weight in the interleaved layout."""
     _fields_ = [("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("K", ctypes.c_int64),
                 ("N", ctypes.c_int64), ("G", ctypes.c_int64), ("kind", ctypes.c_int32), ("d_f32", ctypes.c_int32),
-                ("m_f32", ctypes.c_int32), ("unused", ctypes.c_int32)]
+                ("m_f32", ctypes.c_int32), ("amx_from_rows", ctypes.c_int32)]
 
 
 def x16_register_rows() -> int:
@@ -137,6 +138,13 @@ def x16_register_rows() -> int:
 def x16_available() -> bool:
     """Whether this host's build has the interleaved int4 / int8 kernel (AVX-512 VNNI or AVX2)."""
     return x16_register_rows() > 0
+
+
+def amx_available() -> bool:
+    """Whether this host's build has the AMX tile kernel of quant_linear_x16.c and Linux lets this process use the
+    tiles."""
+    lib = library()
+    return lib is not None and bool(lib.tm_amx_available())
 
 
 def library(cache_dir: str = DEFAULT_CACHE_DIR) -> ctypes.CDLL | None:

@@ -252,11 +252,13 @@ class CPUQuantMatmul:
 
     On a host whose build has AVX-512 VNNI or AVX2 (``x16_available``), int4 / int8 weights run in the interleaved
     layout: given canonical tensors, the kernel keeps a repacked copy; ``repacked_rows=N`` says they are
-    ``repack_x16``'s already, of a weight of N rows (a layer that holds its weight that way)."""
+    ``repack_x16``'s already, of a weight of N rows (a layer that holds its weight that way). On a host with AMX
+    (``amx_available``), calls of ``amx_from_rows`` rows and more (0: none) run on its tiles: bf16 activations, not
+    int8 (engine/quant_layouts.py measures where that pays)."""
 
     def __init__(self, fmt: WeightFormat, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  bias: torch.Tensor | None = None, tile_rows: int = 0, repacked_rows: int | None = None,
-                 interleaved: bool = True):
+                 interleaved: bool = True, amx_from_rows: int = 0):
         lib = library()
         if lib is None:
             raise RuntimeError("the CPU kernels are not built (kernels/cpu_native.py logged why)")
@@ -272,7 +274,8 @@ class CPUQuantMatmul:
             self._weight = X16Weight(
                 q=qweight.data_ptr(), d=scales.data_ptr(), m=mins.data_ptr() if mins is not None else None,
                 K=self.in_features, N=self.out_features, G=fmt.group(self.in_features), kind=KINDS[fmt.kind],
-                d_f32=int(scales.dtype == torch.float32), m_f32=int(mins is not None and mins.dtype == torch.float32))
+                d_f32=int(scales.dtype == torch.float32), m_f32=int(mins is not None and mins.dtype == torch.float32),
+                amx_from_rows=amx_from_rows)
             x16_fn, bias_ptr = lib.tm_quant_linear_x16, bias32.data_ptr() if bias32 is not None else None
             self._fn = lambda weight, x, rows, out: x16_fn(weight, x, rows, bias_ptr, out)
         else:

@@ -370,16 +370,18 @@ static int int_linear(const float *x, int64_t M, int64_t K, const void *q, const
 
 // --- fp8 weights, widened
 
-static __thread float *tile_buffer;
-static __thread int64_t tile_capacity;
+static __thread void *scratch;
+static __thread int64_t scratch_bytes;
 
-static float *thread_buffer(int64_t floats) {
-    if (floats > tile_capacity) {
-        free(tile_buffer);
-        tile_buffer = (float *)aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
-        tile_capacity = tile_buffer ? floats : 0;
+// This thread's scratch of at least ``bytes`` (64-byte aligned; NULL when memory runs out), kept for its next call.
+// One a thread: a kernel holds it for the length of one call (the fp8 tiles here, quant_linear_x16.c's AMX tiles).
+void *tm_thread_scratch(int64_t bytes) {
+    if (bytes > scratch_bytes) {
+        free(scratch);
+        scratch = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        scratch_bytes = scratch ? bytes : 0;
     }
-    return tile_buffer;
+    return scratch;
 }
 
 // Returns 0, or -1 for a shape outside the layouts above, -2 when a thread's tile buffer cannot be allocated.
@@ -396,7 +398,7 @@ int tm_quant_linear(const float *x, int64_t M, int64_t K, const void *q, const v
     int failed = 0;
 #pragma omp parallel
     {
-        float *w = thread_buffer(tile_rows * K);
+        float *w = (float *)tm_thread_scratch(tile_rows * K * (int64_t)sizeof(float));
         if (!w) {
 #pragma omp atomic write
             failed = 1;

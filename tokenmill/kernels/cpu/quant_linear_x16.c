@@ -16,6 +16,13 @@
 //   int8: 64 bytes; byte 4i + c holds code + 128 (unsigned) of row i, input 32b + 4s + c. The 128 * sum(x codes)
 //         this adds is taken back through the min term: min' = min - 128 * scale (sum(x codes) is in xs).
 // d, m: [tiles][groups][16] scales and mins of each group of G inputs (G a multiple of 32), fp16 or float32.
+//
+// A third build on hosts with AMX (tiles of bf16 products, Sapphire Rapids and later), for calls of amx_from_rows rows
+// and more (set per weight by a start-up measurement; 0: never): each tile of 16 output rows is widened once per call
+// to bf16 weights (q * scale + min in float32, rounded to nearest even: what a bf16 copy of the dequantized weight
+// holds) and meets x rounded to bf16 (the model's own dtype on a CPU) in tile products summed in float32 over all of
+// K. The integer kernels' work grows with the rows; a tile product does 16 x rows x 16 outputs x 32 inputs at once,
+// and the widening is paid once per call whatever the rows.
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,11 +33,13 @@ typedef struct {
     const void *d, *m;  // m: NULL where the format has no mins
     int64_t K, N, G;
     int32_t kind;  // 0: int4, 1: int8
-    int32_t d_f32, m_f32, unused;
+    int32_t d_f32, m_f32;
+    int32_t amx_from_rows;  // calls of this many rows and more take the AMX build, where there is one (0: never)
 } tm_x16_weight;
 
 int tm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t **xq, float **xd, float **xs);  // quant_linear.c
 void tm_add_bias(float *out, int64_t M, int64_t N, const float *bias);                           // quant_linear.c
+void *tm_thread_scratch(int64_t bytes);                                                         // quant_linear.c
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TM_VNNI 1
@@ -168,6 +177,155 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
 
 #endif
 
+#if defined(TM_VNNI) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define TM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+// Every tile is 16 rows of 64 bytes: C 16 x 16 float32 (x rows by output rows), A 16 x 32 bf16 (x rows by the 32
+// inputs of a block), B 16 pairs of inputs x 16 output rows x 2 bf16 (the pair's two inputs of one output row).
+// C0 / A0 hold x rows m0 .. m0 + 15, C1 / A1 the next 16.
+// (#defines, not an enum, and the wrappers below: GCC's tile intrinsics paste their tile number into the assembly.)
+#define TILE_C0 0
+#define TILE_C1 1
+#define TILE_A0 2
+#define TILE_A1 3
+#define TILE_B 4
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_LOAD(t, p, stride) _tile_loadd(t, p, stride)
+#define TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
+#define TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_permitted = -1;  // -1: not asked yet (asking twice is harmless: the answer is the process's)
+
+static void amx_configure(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 5; i++) {
+        cfg.rows[i] = 16;
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// Block b of tile t -> bt [16 input pairs][16 output rows][2] bf16, the B tile of that block: each weight
+// q * scale + min (int8: scale * code (+ min)) in float32, rounded to bf16 (nearest even) as a bf16 copy of the
+// dequantized weight would be.
+static inline void widen_block(const tm_x16_weight *w, int64_t t, int64_t b, uint16_t *bt) {
+    const int64_t blocks = w->K / 32, per_group = w->G / 32, groups = (w->K + w->G - 1) / w->G;
+    const int64_t at = (t * groups + b / per_group) * 16;
+    const __m512 d = load16(w->d, at, w->d_f32), m = w->m ? load16(w->m, at, w->m_f32) : _mm512_setzero_ps();
+    // word 2n of a pair's register: lane n of its first input, word 2n + 1: lane n of its second
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {
+        __m512i v;  // dword n: the 4 codes of row n for inputs 4s .. 4s + 3, one a byte
+        if (w->kind == 0) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(w->q + ((t * blocks + b) * 8 + s) * 32));
+            const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+            v = _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
+                                 _mm512_set1_epi8(0x0F));
+        } else {  // code + 128 -> the signed code
+            v = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w->q + ((t * blocks + b) * 8 + s) * 64)),
+                                 _mm512_set1_epi8((char)0x80));
+        }
+        __m512 f[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512i code = w->kind == 0 ? _mm512_and_si512(_mm512_srli_epi32(v, 8 * c), _mm512_set1_epi32(0xFF))
+                                              : _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * c), 24);
+            f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), d, m);
+        }
+        _mm512_store_si512((void *)(bt + 64 * s),
+                           _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0])));
+        _mm512_store_si512((void *)(bt + 64 * s + 32),
+                           _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2])));
+    }
+}
+
+// out[m0 + r][16 t ..] for the x rows r < 32 at m0 (rows past M were zeroed in xb): two C tiles of 16 x rows share
+// each B tile.
+static void amx_rows(const tm_x16_weight *w, int64_t t, int64_t m0, int64_t M, const uint16_t *xb,
+                     const uint16_t *bt, float *out) {
+    const int64_t K = w->K, blocks = K / 32, n0 = 16 * t;
+    const int two = M - m0 > 16;
+    float sums[2][256] __attribute__((aligned(64)));
+    TILE_ZERO(TILE_C0);
+    TILE_ZERO(TILE_C1);
+    for (int64_t b = 0; b < blocks; b++) {
+        TILE_LOAD(TILE_B, bt + b * 512, 64);
+        TILE_LOAD(TILE_A0, xb + m0 * K + 32 * b, K * 2);
+        TILE_DPBF16PS(TILE_C0, TILE_A0, TILE_B);
+        if (two) {
+            TILE_LOAD(TILE_A1, xb + (m0 + 16) * K + 32 * b, K * 2);
+            TILE_DPBF16PS(TILE_C1, TILE_A1, TILE_B);
+        }
+    }
+    TILE_STORE(TILE_C0, sums[0], 64);
+    if (two) TILE_STORE(TILE_C1, sums[1], 64);
+    const int64_t rows = M - m0 < 32 ? M - m0 : 32;
+    const __mmask16 live = w->N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (w->N - n0)) - 1);
+    for (int64_t r = 0; r < rows; r++)
+        _mm512_mask_storeu_ps(out + (m0 + r) * w->N + n0, live, _mm512_load_ps(sums[r / 16] + 16 * (r % 16)));
+}
+
+// x [M][K] float32 -> xb [Mp][K] bf16, rounded to nearest even; rows M..Mp-1 zero.
+static void round_rows(const float *x, int64_t M, int64_t Mp, int64_t K, uint16_t *xb) {
+    memset(xb + M * K, 0, (size_t)((Mp - M) * K) * 2);
+    for (int64_t i = 0; i < M * K; i += 16)
+        _mm256_storeu_si256((__m256i *)(xb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+}
+
+// 0, or -2 when memory runs out.
+static int amx_linear(const tm_x16_weight *w, const float *x, int64_t M, float *out) {
+    const int64_t K = w->K, blocks = K / 32, Mp = (M + 15) / 16 * 16, tiles = (w->N + 15) / 16;
+    uint16_t *xb = (uint16_t *)aligned_alloc(64, (size_t)((Mp * K * 2 + 63) / 64 * 64));
+    if (!xb) return -2;
+    round_rows(x, M, Mp, K, xb);
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint16_t *bt = (uint16_t *)tm_thread_scratch(blocks * 1024);  // each block's B tile
+        if (!bt) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (!bt) continue;
+            for (int64_t b = 0; b < blocks; b++) widen_block(w, t, b, bt + b * 512);
+            for (int64_t m0 = 0; m0 < M; m0 += 32) amx_rows(w, t, m0, M, xb, bt, out);
+        }
+        _tile_release();
+    }
+    free(xb);
+    return failed ? -2 : 0;
+}
+#endif
+
+// Whether this build has the AMX kernel and the kernel may use the tiles (Linux hands them out on request, once per
+// process).
+int tm_amx_available(void) {
+#if defined(TM_AMX)
+    if (amx_permitted < 0) amx_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_permitted;
+#else
+    return 0;
+#endif
+}
+
 #if defined(TM_VNNI) || defined(TM_X16_AVX2)
 // xq [M][K], xd / xs [M][K / 32] as tm_quantize_rows writes them -> out [M][N].
 static void x16_linear(const tm_x16_weight *w, const int8_t *xq, const float *xd, const float *xs, int64_t M,
@@ -199,6 +357,13 @@ int tm_x16_register_rows(void) {
 // x [M][K] float32 -> out [M][N] (+ bias [N], or NULL). Returns 0, -1 where this build has neither AVX-512 VNNI nor
 // AVX2, -2 when memory runs out.
 int tm_quant_linear_x16(const tm_x16_weight *w, const float *x, int64_t M, const float *bias, float *out) {
+#if defined(TM_AMX)
+    if (w->amx_from_rows > 0 && M >= w->amx_from_rows && tm_amx_available()) {
+        if (amx_linear(w, x, M, out) != 0) return -2;
+        if (bias) tm_add_bias(out, M, w->N, bias);
+        return 0;
+    }
+#endif
 #if defined(TM_VNNI) || defined(TM_X16_AVX2)
     int8_t *xq;
     float *xd, *xs;

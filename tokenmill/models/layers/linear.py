@@ -27,11 +27,13 @@ class LinearPlan(NamedTuple):
     """How one linear layer holds its weight: ``fmt`` (a format name); calls of ``dense_from_rows`` rows and more run
     on a dense copy (None: none is kept); ``quantize_at_load``: the checkpoint's tensor is full precision and is
     rounded into the format as it is copied in (else the checkpoint offers it quantized); ``input_order``: the
-    checkpoint groups the inputs in activation order, so the layer holds an input permutation."""
+    checkpoint groups the inputs in activation order, so the layer holds an input permutation; ``amx_from_rows``:
+    calls of that many rows and more take the C kernel's AMX build (0: never; engine/quant_layouts.py)."""
     fmt: str
     dense_from_rows: int | None = None
     quantize_at_load: bool = False
     input_order: bool = False
+    amx_from_rows: int = 0
 
 
 class QuantLinear(nn.Module):
@@ -43,7 +45,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fmt: WeightFormat,
                  dense_from_rows: int | None = None, quantize_at_load: bool = False, dtype: torch.dtype | None = None,
-                 input_order: bool = False):
+                 input_order: bool = False, amx_from_rows: int = 0):
         super().__init__()
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
         self.quantize_at_load = quantize_at_load
@@ -54,6 +56,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("input_perm", torch.empty(in_features, dtype=torch.int32) if input_order else None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.dense_from_rows = dense_from_rows
+        self.amx_from_rows = amx_from_rows
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False) \
             if dense_from_rows is not None else None
         self.kernels = KernelChoice()  # set by the model (DecoderLM.use_kernels)
@@ -80,7 +83,7 @@ class QuantLinear(nn.Module):
                 self.qweight, self.scales, self.mins = repack_x16(self.fmt, self.qweight, self.scales, self.mins)
                 self.x16 = True
             self._cpu_kernel = CPUQuantMatmul(self.fmt, self.qweight, self.scales, self.mins, self.bias,
-                                              repacked_rows=self.out_features)
+                                              repacked_rows=self.out_features, amx_from_rows=self.amx_from_rows)
             return
         if self.fmt.kind == "int4" and self.fmt.group(self.in_features) == 32:
             # A scale and a min every 32 inputs: widening them from fp16 on every block cost the kernel 10-18% at one
@@ -146,6 +149,6 @@ def quantize_linears(model: nn.Module, plan: dict[str, LinearPlan], dtype: torch
         setattr(parent, child_name, QuantLinear(linear.in_features, linear.out_features, linear.bias is not None,
                                                 WeightFormat.parse(entry.fmt), entry.dense_from_rows,
                                                 entry.quantize_at_load, dtype or linear.weight.dtype,
-                                                entry.input_order))
+                                                entry.input_order, entry.amx_from_rows))
         swapped += 1
     return swapped
