@@ -171,3 +171,25 @@ def test_a_failed_build_leaves_the_references(monkeypatch, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert cpu_native.library(str(tmp_path / "cache")) is None
     assert "PyTorch references run instead" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_c_kv_write_equals_the_reference(dtype):
+    """K/V as views of a fused projection (a token's row strided), permuted slots, a padding slot (-1): the cache
+    ends as the reference leaves it, every other slot untouched."""
+    from tokenmill.kernels.kv_write import write_kv_reference
+    hq, hkv, d, tokens = 9, 3, 64, 5
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d).to(dtype)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
+    slots = torch.tensor([37, 3, -1, 16, 62], dtype=torch.int64)
+    want = torch.randn(4, 16, 2 * hkv, d).to(dtype)
+    got = want.clone()
+    write_kv_reference(want, None, torch.cat([k, v], dim=1), slots)
+    assert cpu_attention.write_kv_cpu(got, k, v, slots)
+    assert torch.equal(got, want)
+    with pytest.raises(IndexError):
+        cpu_attention.write_kv_cpu(got, k, v, torch.tensor([1, 2, 3, 4, 64]))
+    assert torch.equal(got, want)  # nothing written
+    # another dtype than the cache's: the reference's job (it casts)
+    assert not cpu_attention.write_kv_cpu(got, k.half(), v.half(), slots)

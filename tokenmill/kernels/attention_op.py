@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 
 from tokenmill.kernels.attention_features import AttentionFeatures
+from tokenmill.kernels.cpu_attention import write_kv_cpu
 from tokenmill.kernels.dsa import dsa_attention
 from tokenmill.kernels.kv_write import write_kv
 from tokenmill.kernels.metadata import AttentionMetadata
@@ -67,8 +68,10 @@ def _gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     ``sinks``, ``window``, ``softcap``: kernels/attention_features.py."""
     step = _step()
     data, scales, meta = step.data[layer], step.scales[layer], step.layer_meta(layer)
-    write_kv(data, scales, torch.cat([k, v], dim=1), meta.slot_mapping, backend=backend,
-             padded=meta.derived("padded_slots", lambda: bool((meta.slot_mapping < 0).any())))
+    # on a CPU the C kernel writes 16/32-bit caches in one call (each torch op here costs ~10 us after a GEMM)
+    if not (backend == "cpu" and scales is None and write_kv_cpu(data, k, v, meta.slot_mapping)):
+        write_kv(data, scales, torch.cat([k, v], dim=1), meta.slot_mapping, backend=backend,
+                 padded=meta.derived("padded_slots", lambda: bool((meta.slot_mapping < 0).any())))
     return paged_attention(q, k, v, data, scales, meta, sm_scale, backend=backend,
                            features=AttentionFeatures(window, softcap, sinks))
 

@@ -56,6 +56,21 @@ def cache_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | 
     return out, lse
 
 
+def write_kv_cpu(data: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """k/v [T, Hkv, D] into the cache at ``slot_mapping`` [T] (int64; negative: nothing) by the C kernel, as
+    kernels/kv_write.py's reference does, in one call and with no concatenated copy. False (nothing written) where
+    it does not apply: no kernels, a cache of another dtype (fp8, or a cast), heads not contiguous in a token's row."""
+    lib = library()
+    if lib is None or k.dtype != data.dtype or v.dtype != data.dtype or slot_mapping.dtype != torch.int64 \
+            or k.stride(2) != 1 or v.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride(1) != v.shape[2]:
+        return False
+    num_slots = data.shape[0] * data.shape[1]
+    if lib.tm_write_kv(data.data_ptr(), num_slots, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                       slot_mapping.data_ptr(), slot_mapping.shape[0], k.shape[1], k.shape[2], k.element_size()):
+        raise IndexError(f"a KV slot past the cache's {num_slots}")
+    return True
+
+
 PREFETCH_TARGETS = ("l1", "l2")
 
 

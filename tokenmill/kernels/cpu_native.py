@@ -98,6 +98,10 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
     lib.tm_set_attention_prefetch.argtypes = [ctypes.c_int]
     lib.tm_set_attention_prefetch.restype = None
     lib.tm_attention_prefetch.restype = ctypes.c_int
+    lib.tm_write_kv.restype = ctypes.c_int
+    lib.tm_write_kv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                ctypes.c_int64]
     lib.tm_quant_linear.restype = ctypes.c_int
     lib.tm_quant_linear.argtypes = [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

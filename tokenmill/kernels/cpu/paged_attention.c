@@ -388,6 +388,24 @@ static int prefetch_to_l2 = 0;
 
 void tm_set_attention_prefetch(int to_l2) { prefetch_to_l2 = to_l2 != 0; }
 
+// This step's new K / V into the cache (16- or 32-bit caches, the model's own dtype; fp8 is quantized by the
+// reference): token t's heads k[t * k_stride + h * dim + i] (elements) go to cache slot slots[t] as its first hkv
+// rows, v's as the next hkv (the layout of kernels/kv_write.py: data[slot][2 hkv][dim]). A negative slot (a padding
+// row) writes nothing. Returns 0, or -1 (nothing written) where a slot is past the cache's num_slots.
+int tm_write_kv(void *cache, int64_t num_slots, const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                const int64_t *slots, int64_t T, int64_t hkv, int64_t dim, int64_t elem_bytes) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return -1;
+    const size_t head_bytes = (size_t)(hkv * dim * elem_bytes);
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        char *slot = (char *)cache + (size_t)slots[t] * 2 * head_bytes;
+        memcpy(slot, (const char *)k + (size_t)(t * k_stride * elem_bytes), head_bytes);
+        memcpy(slot + head_bytes, (const char *)v + (size_t)(t * v_stride * elem_bytes), head_bytes);
+    }
+    return 0;
+}
+
 int tm_attention_prefetch(void) { return prefetch_to_l2; }
 
 // One line asked into the L1 or the L2. (GCC 12 drops this file's __builtin_prefetch calls at -O2, and at -O3 too
