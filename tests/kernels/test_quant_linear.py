@@ -52,6 +52,22 @@ def test_kernel_takes_other_activation_dtypes_and_shapes():
     torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -6, atol=0.1)  # two bf16 steps at |y| ~ 8
 
 
+@needs_kernels
+@pytest.mark.parametrize("name", ["int4-g32", "int8-ch"])
+@pytest.mark.parametrize("amx_from_rows", [0, 1])
+def test_bf16_calls_round_the_float32_result(name, amx_from_rows):
+    """A bf16 call (the interleaved kernel reads and writes bf16 itself) gives the float32 call's result on the same
+    values, bias included, rounded to nearest even: bit for bit."""
+    from tokenmill.kernels.quant_linear import CPUQuantMatmul
+    fmt = WeightFormat.parse(name)
+    t = weights(fmt, 37, 160)
+    kernel = CPUQuantMatmul(fmt, t["qweight"], t["scales"], t.get("mins"), torch.randn(37), amx_from_rows=amx_from_rows)
+    for rows in (1, 5, 33):
+        x = (torch.randn(rows, 160) * 3).bfloat16()
+        got = kernel(x)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, kernel(x.float()).bfloat16())
+
+
 def test_int8_activations_stay_within_half_a_step():
     x = torch.randn(5, 128) * torch.logspace(-3, 3, 5)[:, None]
     q = quantize_activations(x)
@@ -171,7 +187,7 @@ def test_the_avx2_build_on_an_avx512_host():
                            "print(r())"], env=env, capture_output=True, text=True, timeout=300)
     assert rows.stdout.strip() == "8", rows.stderr[-2000:]
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                            "kernel_matches_reference or held_interleaved or other_activation"],
+                            "kernel_matches_reference or held_interleaved or other_activation or bf16_calls"],
                            env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and " failed" not in tests.stdout

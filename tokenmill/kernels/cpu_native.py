@@ -113,7 +113,7 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
     lib.tm_amx_available.restype = ctypes.c_int
     lib.tm_quant_linear_x16.restype = ctypes.c_int
     lib.tm_quant_linear_x16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                        ctypes.c_void_p]
+                                        ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
