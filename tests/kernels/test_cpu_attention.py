@@ -124,6 +124,25 @@ def test_bf16_queries_over_a_bf16_cache(d, hq, hkv, block_size):
     torch.testing.assert_close(lse[rows], exact_lse[rows], atol=2e-3, rtol=0)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (20, 2.5)])
+def test_a_decode_step_in_bf16_rounds_the_float32_result(kv_dtype, window, softcap):
+    """A bf16 model's decode-only step (the kernel reads bf16 queries, strided as views of a fused projection, and
+    writes bf16 itself) gives the float32 call's result rounded to nearest even, bit for bit."""
+    hq, hkv, d = 9, 3, 64
+    batch = paged_batch([(15, 1), (0, 1), (40, 1), (200, 1)], hq, hkv, d, kv_dtype, 16, num_blocks=256,
+                        q_dtype=torch.bfloat16, seed=7)
+    write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping)
+    fused = torch.cat([batch.q.flatten(1), torch.zeros(batch.q.shape[0], 2 * hkv * d, dtype=torch.bfloat16)], 1)
+    q = fused[:, :hq * d].view(-1, hq, d)  # strided rows, as the model's q is
+    segments = cpu_attention._segments(batch.meta, window, with_prefills=False)
+    tables = batch.meta.block_tables.long().contiguous()
+    got = cpu_attention.decode_attention_bf16(q, batch.data, batch.scales, cpu_attention._step_arguments(
+        tables, segments), d ** -0.5, softcap)
+    want, _ = cpu_attention.cache_attention(q, batch.data, batch.scales, tables, segments, d ** -0.5, softcap)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+
+
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (333, 3.0)])
 def test_bf16_path_split_along_the_cache(window, softcap):
     """Long bf16 decodes split into parts whose states are merged (the bf16 path's accumulators are kept in a

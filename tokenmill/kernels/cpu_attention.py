@@ -56,6 +56,29 @@ def cache_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | 
     return out, lse
 
 
+def _step_arguments(tables: torch.Tensor, segments: torch.Tensor) -> tuple[int, ...]:
+    """The kernel's per-step arguments (block tables, the segments' five rows, their count), built once a step:
+    each tensor index or data_ptr() here costs microseconds, thirty layers a step."""
+    return (tables.data_ptr(), tables.stride(0), *(segments[i].data_ptr() for i in range(5)), segments.shape[1])
+
+
+def decode_attention_bf16(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
+                          step_arguments: tuple[int, ...], sm_scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """A step of decodes only (the segments cover every row): bf16 q [N, Hq, D] (heads contiguous within a token)
+    -> bf16 out [N, Hq, D], the kernel widening and rounding itself (a bf16 model's every decode step)."""
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    num_tokens, hq, dim = q.shape
+    out = torch.empty((num_tokens, hq, dim), dtype=torch.bfloat16)
+    code = library().tm_paged_attention_bf16(
+        q.data_ptr(), q.stride(0), out.data_ptr(), num_tokens, data.data_ptr(),
+        scales.data_ptr() if scales is not None else None, KINDS[data.dtype], *step_arguments, hq,
+        data.shape[2] // 2, dim, data.shape[1], sm_scale, softcap, torch.get_num_threads())
+    if code != 0:
+        raise MemoryError("CPU paged attention: scratch allocation failed")
+    return out
+
+
 def write_kv_cpu(data: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     """k/v [T, Hkv, D] into the cache at ``slot_mapping`` [T] (int64; negative: nothing) by the C kernel, as
     kernels/kv_write.py's reference does, in one call and with no concatenated copy. False (nothing written) where
@@ -128,6 +151,10 @@ def paged_attention_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     segments = meta.derived(("cpu_segments", features.window, plain),
                             lambda: _segments(meta, features.window, with_prefills=plain))
     tables = meta.derived("cpu_block_tables", lambda: meta.block_tables.long().contiguous())
+    if not meta.prefill_indices and features.sinks is None and q.dtype is torch.bfloat16 and segments.shape[1]:
+        arguments = meta.derived(("cpu_step_arguments", features.window, plain),
+                                 lambda: _step_arguments(tables, segments))
+        return decode_attention_bf16(q, data, scales, arguments, sm_scale, features.softcap)
     from_cache, lse = cache_attention(q, data, scales, tables, segments, sm_scale, features.softcap) \
         if segments.shape[1] else (None, None)
     if from_cache is not None and features.sinks is not None:  # only decodes are in the segments

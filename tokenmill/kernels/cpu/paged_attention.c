@@ -713,3 +713,28 @@ int tm_paged_attention(const float *q, float *out, float *lse, const void *cache
     free(first);
     return failed ? -1 : 0;
 }
+
+void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n);  // quant_linear.c
+void tm_round_bf16(const float *src, uint16_t *dst, int64_t n);  // quant_linear.c
+
+// tm_paged_attention over bf16 queries (row t's [Hq][D] at q + t * q_stride) into bf16 out [rows][Hq][D] (no lse):
+// a bf16 model's decode step, where the segments cover every row, with no conversion of its own. Other arguments as
+// there; the same returns.
+int tm_paged_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t rows, const void *cache,
+                            const float *scales,
+                            int kind, const int64_t *block_tables, int64_t table_stride, const int32_t *req,
+                            const int32_t *q_start, const int32_t *q_len, const int32_t *kv_first,
+                            const int32_t *kv_len, int num_segments, int Hq, int Hkv, int D, int block_size,
+                            float sm_scale, float softcap, int threads) {
+    const int64_t width = (int64_t)Hq * D, n = rows * width;
+    float *buffer = malloc(sizeof(float) * (size_t)(2 * n));
+    if (!buffer) return -1;
+    memset(buffer + n, 0, sizeof(float) * (size_t)n);  // rows no segment covers come out zero, not garbage
+    for (int64_t t = 0; t < rows; t++) tm_widen_bf16(q + t * q_stride, buffer + t * width, width);
+    const int code = tm_paged_attention(buffer, buffer + n, NULL, cache, scales, kind, block_tables, table_stride,
+                                        req, q_start, q_len, kv_first, kv_len, num_segments, Hq, Hkv, D, block_size,
+                                        sm_scale, softcap, 1, threads);
+    if (code == 0) tm_round_bf16(buffer + n, out, n);
+    free(buffer);
+    return code;
+}

@@ -40,6 +40,8 @@ typedef struct {
 int tm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t **xq, float **xd, float **xs);  // quant_linear.c
 void tm_add_bias(float *out, int64_t M, int64_t N, const float *bias);                           // quant_linear.c
 void *tm_thread_scratch(int64_t bytes);                                                         // quant_linear.c
+void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n);                                 // quant_linear.c
+void tm_round_bf16(const float *src, uint16_t *dst, int64_t n);                                 // quant_linear.c
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TM_VNNI 1
@@ -377,23 +379,6 @@ static int x16_float(const tm_x16_weight *w, const float *x, int64_t M, const fl
 #endif
 }
 
-static void widen_bf16(const uint16_t *src, float *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t bits = (uint32_t)src[i] << 16;
-        memcpy(dst + i, &bits, 4);
-    }
-}
-
-// src [n] float32 -> bf16, rounded to nearest even (a NaN stays a NaN), as torch's .to(torch.bfloat16).
-static void round_bf16(const float *src, uint16_t *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, src + i, 4);
-        dst[i] = (bits & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((bits >> 16) | 0x40)
-                                                    : (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-    }
-}
-
 // x [M][K] -> out [M][N] (+ bias [N] float32, or NULL); x and out float32, or both bf16 (bf16_io: the model's own
 // dtype, widened and rounded here, so that a bf16 model's call makes no conversions of its own). Returns 0, -1
 // where this build has neither AVX-512 VNNI nor AVX2, -2 when memory runs out.
@@ -401,9 +386,9 @@ int tm_quant_linear_x16(const tm_x16_weight *w, const void *x, int64_t M, const 
     if (!bf16_io) return x16_float(w, (const float *)x, M, bias, (float *)out);
     float *buffer = (float *)malloc((size_t)(M * (w->K + w->N)) * sizeof(float));
     if (!buffer) return -2;
-    widen_bf16((const uint16_t *)x, buffer, M * w->K);
+    tm_widen_bf16((const uint16_t *)x, buffer, M * w->K);
     const int code = x16_float(w, buffer, M, bias, buffer + M * w->K);
-    if (code == 0) round_bf16(buffer + M * w->K, (uint16_t *)out, M * w->N);
+    if (code == 0) tm_round_bf16(buffer + M * w->K, (uint16_t *)out, M * w->N);
     free(buffer);
     return code;
 }
