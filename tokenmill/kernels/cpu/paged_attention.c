@@ -714,8 +714,25 @@ int tm_paged_attention(const float *q, float *out, float *lse, const void *cache
     return failed ? -1 : 0;
 }
 
-void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n);  // quant_linear.c
-void tm_round_bf16(const float *src, uint16_t *dst, int64_t n);  // quant_linear.c
+// bf16 [n] -> float32 (exact). (Here, not in quant_linear.c: benchmarks/attention_revisions.py builds this file
+// alone.)
+void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &bits, 4);
+    }
+}
+
+// src [n] float32 -> bf16, rounded to nearest even (a NaN stays a NaN), as torch's .to(torch.bfloat16).
+void tm_round_bf16(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, src + i, 4);
+        dst[i] = (bits & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((bits >> 16) | 0x40)
+                                                    : (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+    }
+}
+
 
 // tm_paged_attention over bf16 queries (row t's [Hq][D] at q + t * q_stride) into bf16 out [rows][Hq][D] (no lse):
 // a bf16 model's decode step, where the segments cover every row, with no conversion of its own. Other arguments as

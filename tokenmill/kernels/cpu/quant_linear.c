@@ -218,24 +218,6 @@ int tm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t **xq, float **
     return 0;
 }
 
-// bf16 [n] -> float32 (exact).
-void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t bits = (uint32_t)src[i] << 16;
-        memcpy(dst + i, &bits, 4);
-    }
-}
-
-// src [n] float32 -> bf16, rounded to nearest even (a NaN stays a NaN), as torch's .to(torch.bfloat16).
-void tm_round_bf16(const float *src, uint16_t *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, src + i, 4);
-        dst[i] = (bits & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((bits >> 16) | 0x40)
-                                                    : (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-    }
-}
-
 // out [M][N] += bias [N] on every row.
 void tm_add_bias(float *out, int64_t M, int64_t N, const float *bias) {
     for (int64_t m = 0; m < M; m++)

@@ -40,8 +40,8 @@ typedef struct {
 int tm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t **xq, float **xd, float **xs);  // quant_linear.c
 void tm_add_bias(float *out, int64_t M, int64_t N, const float *bias);                           // quant_linear.c
 void *tm_thread_scratch(int64_t bytes);                                                         // quant_linear.c
-void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n);                                 // quant_linear.c
-void tm_round_bf16(const float *src, uint16_t *dst, int64_t n);                                 // quant_linear.c
+void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n);                                 // paged_attention.c
+void tm_round_bf16(const float *src, uint16_t *dst, int64_t n);                                 // paged_attention.c
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TM_VNNI 1
