@@ -83,7 +83,8 @@ def build_runner(config: EngineConfig, settled: Settled, checkpoint: Checkpoint,
         graphs = DecodeGraphs(loaded.model, loaded.kv_cache, config.max_num_seqs, loaded.max_model_len)
         graphs.capture()
     runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, config.max_num_seqs, loaded.max_model_len,
-                         model_config.eos_token_ids, config.seed, make_proposer(config, settled, loaded, tp), graphs)
+                         model_config.eos_token_ids, config.seed, make_proposer(config, settled, loaded, tp), graphs,
+                         c_kernels=settled.kernel_backend == "cpu")
     return runner, loaded
 
 

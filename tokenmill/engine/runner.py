@@ -30,7 +30,7 @@ from tokenmill.speculative.proposer import DraftContext, Proposer
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str, max_num_seqs: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...], seed: int = 0, proposer: Proposer | None = None,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, c_kernels: bool = False):
         self.model = model
         self.proposer = proposer  # drafts for the next step (speculative/), or None
         self.graphs = graphs  # pure decode steps replay CUDA graphs (engine/cuda_graphs.py)
@@ -38,7 +38,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.batch = InputBatch(max_num_seqs, max_model_len, kv_cache.spec.block_size, kv_cache.null_block,
                                 model.config.vocab_size, eos_token_ids, self.device, kv_cache.spec.groups.num_groups)
-        self.sampler = Sampler(seed, self.device)
+        self.sampler = Sampler(seed, self.device, c_kernels)  # c_kernels: the resolved backend is kernels/cpu/'s
 
     def update_batch(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_ids + out.preempted_ids:

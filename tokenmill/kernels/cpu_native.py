@@ -26,7 +26,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "cpu" / name
-                for name in ("paged_attention.c", "quant_linear.c", "quant_linear_x16.c"))
+                for name in ("paged_attention.c", "quant_linear.c", "quant_linear_x16.c", "argmax.c"))
 # fast-math's reassociation lets the reductions and expf vectorize (glibc's libmvec); finite sentinels are used in
 # place of infinities inside the loops.
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-ffast-math", "-fPIC", "-shared")
@@ -116,6 +116,8 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
     lib.tm_quant_linear_prepared.restype = ctypes.c_int
     lib.tm_quant_linear_prepared.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.tm_x16_register_rows.restype = ctypes.c_int
+    lib.tm_argmax_rows.restype = None
+    lib.tm_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.tm_amx_available.restype = ctypes.c_int
     lib.tm_quant_linear_x16.restype = ctypes.c_int
     lib.tm_quant_linear_x16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,

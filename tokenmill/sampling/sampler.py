@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.kernels.argmax import argmax_rows
 from tokenmill.sampling.metadata import SamplingMetadata
 
 _MASK64 = (1 << 64) - 1
@@ -77,8 +78,9 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu", c_kernels: bool = False):
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.c_kernels = c_kernels  # the resolved kernel backend is the C kernels: greedy rows' argmax in C
 
     def sample(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         """logits [S, V] float32 (modified in place) -> SamplerOutput."""
@@ -91,7 +93,7 @@ class Sampler:
             logits[m.ban_rows, m.ban_ids] = float("-inf")
         if m.grammar_rows is not None:
             apply_grammar_bitmask(logits, m.grammar_rows, m.grammar_bitmask)
-        tokens = logits.argmax(-1)
+        tokens = argmax_rows(logits, self.c_kernels)
         if m.random_rows is not None:
             tokens[m.random_rows] = self._draw(logits[m.random_rows], m)
         out = SamplerOutput(tokens)
