@@ -48,6 +48,10 @@ class CompiledDecoder:
             torch._dynamo.mark_dynamic(input_ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
         if not self.sealed:
+            if input_ids.shape[0] == 1:  # a lone decode's elementwise work is a few hundred values: one thread
+                import torch._inductor.config as inductor_config
+                with inductor_config.patch({"cpp.threads": 1}):
+                    return self._compiled(input_ids, positions)
             return self._compiled(input_ids, positions)
         # Sealed: warm-up compiled both shape classes, so only the guards that tell those two graphs apart (T == 1 or
         # not) are evaluated. The others (every parameter's: ~0.7 ms a step at 2 cores, 3-5% of a lone decode) check
