@@ -40,7 +40,9 @@ def build(revision: str, workdir: Path) -> ctypes.CDLL:
     name = revision.replace("/", "_").replace("~", "_").replace("^", "_")
     source, library = workdir / f"{name}.c", workdir / f"{name}.so"
     source.write_text(text)
-    subprocess.run([_compiler(), *FLAGS, str(source), "-o", str(library), "-lm"], check=True)
+    # the worktree's shared header serves every revision that includes it
+    subprocess.run([_compiler(), *FLAGS, f"-I{Path(SOURCE).parent}", str(source), "-o", str(library), "-lm"],
+                   check=True)
     lib = ctypes.CDLL(str(library))
     lib.tm_init()
     lib.tm_paged_attention.restype = ctypes.c_int

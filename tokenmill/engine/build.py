@@ -19,7 +19,7 @@ from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.settle import Settled
 from tokenmill.engine.warmup import compile_and_warm_up
 from tokenmill.kernels.backend import KernelChoice
-from tokenmill.kernels.cpu_attention import set_prefetch_target
+from tokenmill.kernels.cpu_attention import set_prefetch_target, set_prefill_kernel
 from tokenmill.kernels.cpu_linear import pack_linears
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.models.config import ModelConfig
@@ -71,6 +71,7 @@ def build_runner(config: EngineConfig, settled: Settled, checkpoint: Checkpoint,
         torch.set_num_threads(settled.num_threads)
     if settled.kernel_backend == "cpu":
         set_prefetch_target(settled.attention_prefetch)
+        set_prefill_kernel(settled.prefill_attention)
     loaded = load_model_and_cache(checkpoint, model_config, config, settled, tp)
     if settled.execution == "compiled":
         compile_and_warm_up(loaded.model, loaded.kv_cache, config.compile_cache_dir)

@@ -21,6 +21,8 @@ What is settled, and how ``auto`` resolves:
   are quantized at every row count;
 - CPU decode attention's prefetch target: the next cache block asked into the L1 or only the L2, whichever the
   kernel ran faster at the model's head layout, timed here (engine/attention_prefetch.py);
+- CPU prefill attention over a chunk's own tokens: PyTorch's flash SDPA or the AMX tile kernel, whichever ran faster
+  at the model's head layout (engine/prefill_attention.py);
 - execution: captured CUDA graphs (one GPU, Triton kernels), a compiled layer stack on a CPU, or eager;
 - drafting: the speculative method, checked against the checkpoint.
 """
@@ -40,6 +42,7 @@ from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.distributed.group import TensorParallel
 from tokenmill.engine.attention_prefetch import choose_attention_prefetch
 from tokenmill.engine.layouts import Layouts, choose_layouts, describe, linear_shapes
+from tokenmill.engine.prefill_attention import choose_prefill_attention
 from tokenmill.engine.quant_layouts import QuantLayouts, choose_quantization
 from tokenmill.engine.probe import Clock, Comparison, compare, repetitions
 from tokenmill.kernels.backend import resolve_kernel_backend
@@ -85,6 +88,8 @@ class Settled:
     quant_layouts: QuantLayouts = ()
     # CPU decode attention's prefetch target (engine/attention_prefetch.py): "l1" | "l2".
     attention_prefetch: str = "l1"
+    # CPU prefill attention over a chunk's own tokens (engine/prefill_attention.py): "sdpa" | "amx".
+    prefill_attention: str = "sdpa"
 
     def __post_init__(self):  # a broadcast copy may arrive with lists for tuples
         object.__setattr__(self, "linear_layouts", tuple(tuple(row) for row in self.linear_layouts))
@@ -131,7 +136,11 @@ def settle(config: EngineConfig, model_config: ModelConfig, clock: Clock = time.
         quant_layouts=quant_layouts, attention_prefetch=choose_attention_prefetch(
             config.attention_prefetch, device, backend, model_config.num_heads // size,
             0 if model_config.mla else model_config.num_kv_heads // size, model_config.head_dim, config.block_size,
-            kv_dtype, DTYPES[dtype], threads or torch.get_num_threads(), clock))
+            kv_dtype, DTYPES[dtype], threads or torch.get_num_threads(), clock),
+        prefill_attention=choose_prefill_attention(
+            config.prefill_attention, device, backend, model_config.num_heads // size,
+            0 if model_config.mla else model_config.num_kv_heads // size, model_config.head_dim, DTYPES[dtype],
+            threads or torch.get_num_threads(), clock))
     log.info("settled: %s", ", ".join(f"{k}={v}" for k, v in settled.to_dict().items()))
     return settled
 

@@ -7,8 +7,9 @@ else is widened to float32 a block at a time.
 Same contract as kernels/paged_attention.py's reference (shapes, null block, what each query sees):
 - a decode (one query) attends its whole sequence from the cache in one kernel segment;
 - a prefill chunk attends its cached prefix from the cache (a segment of all its queries, no mask needed: every
-  query sees the whole prefix) and its own tokens, unquantized from ``k_new``/``v_new``, through PyTorch's flash
-  SDPA (causal); the two partial softmaxes are merged by their log-sum-exps.
+  query sees the whole prefix) and its own tokens, unquantized from ``k_new``/``v_new``, causally, through
+  PyTorch's flash SDPA or, on a host with AMX, kernels/cpu/prefill_attention.c (whichever start-up timed faster);
+  the two partial softmaxes are merged by their log-sum-exps.
 
 Attention features (kernels/attention_features.py): a decode's window is where its segment starts in the cache,
 soft-capping is applied to every score in the kernel, and sinks scale the finished rows by ``sigmoid(lse - sink)``.
@@ -125,20 +126,64 @@ def _segments(meta: AttentionMetadata, window: int, with_prefills: bool) -> torc
     return torch.tensor(rows, dtype=torch.int32).reshape(-1, 5).t().contiguous()
 
 
+# The kernel of a prefill chunk's attention over its own tokens (own_tokens_attention), per process: "sdpa" (PyTorch's
+# CPU flash SDPA) or "amx" (kernels/cpu/prefill_attention.c, bf16 on AMX tiles); settled once at start-up by timing
+# both (engine/prefill_attention.py).
+PREFILL_KERNELS = ("sdpa", "amx")
+_prefill_kernel = "sdpa"
+
+
+def set_prefill_kernel(kernel: str) -> None:
+    global _prefill_kernel
+    if kernel not in PREFILL_KERNELS:
+        raise ValueError(f"prefill attention kernel {kernel!r}: one of {PREFILL_KERNELS}")
+    _prefill_kernel = kernel
+
+
+def prefill_kernel() -> str:
+    return _prefill_kernel
+
+
+def amx_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """own_tokens_attention on AMX tiles: bf16 q [L, Hq, D], k/v [L, Hkv, D] (heads contiguous within a token) ->
+    (out [L, Hq, D] bf16, lse [L, Hq] float32), or None where the kernel does not apply (no AMX in this build or
+    host, another dtype or layout, D not a multiple of 32)."""
+    lib = library()
+    if lib is None or not all(t.dtype is torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+                              for t in (q, k, v)):
+        return None
+    num_tokens, hq, dim = q.shape
+    out = torch.empty((num_tokens, hq, dim), dtype=torch.bfloat16)
+    lse = torch.empty((num_tokens, hq), dtype=torch.float32)
+    code = lib.tm_prefill_attention_amx(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                                        v.stride(0), out.data_ptr(), lse.data_ptr(), num_tokens, hq, k.shape[1], dim,
+                                        sm_scale, torch.get_num_threads())
+    if code == -2:
+        raise MemoryError("CPU prefill attention: scratch allocation failed")
+    return (out, lse) if code == 0 else None
+
+
 def own_tokens_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chunk's causal attention over its own tokens: q [L, Hq, D], k/v [L, Hkv, D] -> (out [L, Hq, D] float32,
-    lse [L, Hq])."""
+    """A chunk's causal attention over its own tokens: q [L, Hq, D], k/v [L, Hkv, D] -> (out [L, Hq, D] in q's
+    dtype, lse [L, Hq] float32)."""
+    if _prefill_kernel == "amx":
+        result = amx_prefill_attention(q, k, v, sm_scale)
+        if result is not None:
+            return result
     group = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(group, dim=1) if group > 1 else t for t in (k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype), 0.0,
         True, scale=sm_scale)
-    return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1).float()
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    """Two partial softmax attentions over disjoint keys ([L, H, D] with their [L, H] log-sum-exps) -> one."""
+    """Two partial softmax attentions over disjoint keys ([L, H, D] with their [L, H] log-sum-exps) -> one, in
+    float32."""
+    out_a, out_b = out_a.float(), out_b.float()
     top = torch.maximum(lse_a, lse_b)
     wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)
     return (out_a * wa[..., None] + out_b * wb[..., None]) / (wa + wb)[..., None]

@@ -26,7 +26,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "cpu" / name
-                for name in ("paged_attention.c", "quant_linear.c", "quant_linear_x16.c", "argmax.c"))
+                for name in ("paged_attention.c", "prefill_attention.c", "quant_linear.c", "quant_linear_x16.c",
+                             "argmax.c"))
+# Included by the sources: part of what a build (and a measurement of it) is keyed on.
+HEADERS = (Path(__file__).parent / "cpu" / "simd_common.h",)
 # fast-math's reassociation lets the reductions and expf vectorize (glibc's libmvec); finite sentinels are used in
 # place of infinities inside the loops.
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-ffast-math", "-fPIC", "-shared")
@@ -52,7 +55,7 @@ def cpu_identity() -> str:
 def source_digest() -> str:
     """A short hash of the kernels' sources: what a measurement of them is only valid for."""
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
     return key.hexdigest()[:12]
 
@@ -68,7 +71,7 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
         return None
     flags = (*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split())
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
     key.update(" ".join((compiler, *flags, cpu_identity(), platform.machine())).encode())
     target = cache_dir / f"tokenmill_cpu_{key.hexdigest()[:16]}.so"
@@ -119,6 +122,11 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
     lib.tm_argmax_rows.restype = None
     lib.tm_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.tm_amx_available.restype = ctypes.c_int
+    lib.tm_prefill_attention_amx.restype = ctypes.c_int
+    lib.tm_prefill_attention_amx.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+        ctypes.c_int]
     lib.tm_quant_linear_x16.restype = ctypes.c_int
     lib.tm_quant_linear_x16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_int]

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd_common.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -248,24 +250,6 @@ static inline __m512 sum16(const __m512 *a) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
 }
 
-// e^x for x <= 0: 2^n e^r with |r| <= ln2 / 2, e^r by its Taylor polynomial to degree 6 (relative error < 2e-7, far
-// below the bf16 rounding the probabilities get next), 2^n applied by vscalefps (0 below e^-87).
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: exact n * hi
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 // One query row (bf16 codes qb) over n <= SUB tokens of the cache (K of token t at k + t * stride): its SUB scores,
 // lanes >= n repeating token n - 1.
 static inline __attribute__((always_inline)) __m512 scores16(const uint16_t *restrict qb, const uint16_t *restrict k,
@@ -314,11 +298,11 @@ static inline float softmax16(__m512 s, int n, float sm_scale, float softcap, fl
     const __mmask16 valid = (__mmask16)(n >= SUB ? 0xFFFFu : (1u << n) - 1u);
     const __m512 m_old = _mm512_set1_ps(*m);
     const __m512 m_new = _mm512_max_ps(m_old, all_max(_mm512_mask_mov_ps(m_old, valid, s)));
-    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, m_new)));
+    const __m512 p = _mm512_maskz_mov_ps(valid, tm_exp16(_mm512_sub_ps(s, m_new)));
     const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(p);
     _mm256_storeu_si256((__m256i *)pb, rounded);
     const __m512 kept = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
-    const float correction = _mm512_cvtss_f32(exp16(_mm512_sub_ps(m_old, m_new)));  // 0 (e^-87) after NEG_BIG
+    const float correction = _mm512_cvtss_f32(tm_exp16(_mm512_sub_ps(m_old, m_new)));  // 0 (e^-87) after NEG_BIG
     *l = *l * correction + _mm512_cvtss_f32(all_sum(kept));
     *m = _mm512_cvtss_f32(m_new);
     return correction;

@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd_common.h"
+
 typedef struct {
     const uint8_t *q;
     const void *d, *m;  // m: NULL where the format has no mins
@@ -201,24 +203,8 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
 #define TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
 #define TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 static int amx_permitted = -1;  // -1: not asked yet (asking twice is harmless: the answer is the process's)
 
-static void amx_configure(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 5; i++) {
-        cfg.rows[i] = 16;
-        cfg.colsb[i] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 // Block b of tile t -> bt [16 input pairs][16 output rows][2] bf16, the B tile of that block: each weight
 // q * scale + min (int8: scale * code (+ min)) in float32, rounded to bf16 (nearest even) as a bf16 copy of the
@@ -303,7 +289,7 @@ static int amx_linear(const tm_x16_weight *w, const float *x, int64_t M, float *
 #pragma omp atomic write
             failed = 1;
         }
-        amx_configure();
+        tm_configure_tiles(5);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             if (!bt) continue;

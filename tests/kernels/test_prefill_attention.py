@@ -1,0 +1,124 @@
+"""A prefill chunk's attention over its own tokens on AMX tiles (kernels/cpu/prefill_attention.c, selected by
+engine/prefill_attention.py): exact causal attention to bf16 precision, GQA groups, tails of every length, strided
+queries, the log-sum-exp the merge with a cached prefix needs, and whole paged batches against the PyTorch
+reference. On a host without AMX the kernel declines (None) and SDPA answers instead, which is checked too."""
+
+import pytest
+import torch
+
+from tests.engine.test_settle import scripted
+from tests.kernels.paging import paged_batch
+from tests.kernels.test_cpu_attention import attention_both_ways
+from tokenmill.config import ConfigError
+from tokenmill.engine import prefill_attention
+from tokenmill.kernels import cpu_attention, cpu_native
+
+pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler on this machine")
+AMX = cpu_native.amx_available()
+
+
+@pytest.fixture
+def restore_kernel():
+    before = cpu_attention.prefill_kernel()
+    yield
+    cpu_attention.set_prefill_kernel(before)
+
+
+def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention in float64 over the bf16 inputs: (out [L, Hq, D], lse [L, Hq])."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    length = q.shape[0]
+    scores = scores.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v), scores.logsumexp(-1).t()
+
+
+@pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 31, 32, 33, 100, 300])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 64)])
+def test_the_amx_kernel_is_causal_attention(length, hq, hkv, d):
+    gen = torch.Generator().manual_seed(length + d)
+    fused = (torch.randn(length, hq + 2 * hkv, d, generator=gen) * 1.5).bfloat16()  # q, k, v views of one projection
+    q, k, v = fused.split([hq, hkv, hkv], dim=1)
+    result = cpu_attention.amx_prefill_attention(q, k, v, d ** -0.5)
+    if not AMX:
+        assert result is None  # declined: own_tokens_attention runs SDPA
+        return
+    out, lse = result
+    want_out, want_lse = exact(q, k, v, d ** -0.5)
+    assert out.dtype == torch.bfloat16 and out.is_contiguous() and not out.isnan().any()
+    # bf16 probabilities (relative error <= 2^-8 each: bf16 keeps 8 significant bits) summed as rounded, then the
+    # output's rounding to bf16 (<= 2^-8 relative); the sum of the rounded probabilities is within 2^-8 of the exact one
+    bound = 2 * 2 ** -8 * v.float().abs().max().item()
+    torch.testing.assert_close(out.double(), want_out, atol=bound, rtol=2 ** -8)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2 ** -8 + 1e-5, rtol=0)
+
+
+def test_layouts_the_kernel_does_not_take_are_declined():
+    q = torch.zeros(4, 4, 64, dtype=torch.bfloat16)
+    assert cpu_attention.amx_prefill_attention(q.float(), q.float(), q.float(), 0.1) is None  # float32
+    assert cpu_attention.amx_prefill_attention(q[..., :48].contiguous(), q[..., :48].contiguous(),
+                                               q[..., :48].contiguous(), 0.1) is None  # D not a multiple of 32
+    transposed = q.transpose(0, 1).contiguous().transpose(0, 1)  # heads not contiguous within a token
+    assert cpu_attention.amx_prefill_attention(transposed, q, q, 0.1) is None
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "amx"])
+@pytest.mark.parametrize("seed", range(4))
+def test_whole_batches_with_cached_prefixes_match_the_reference(restore_kernel, kernel, seed):
+    """Decodes and prefill chunks with and without a cached prefix (the own-token part merged with the prefix's by
+    log-sum-exp) over a bf16 cache, with either own-token kernel."""
+    cpu_attention.set_prefill_kernel(kernel)
+    shapes = [(0, 40), (37, 50), (0, 1), (100, 1), (16, 16), (5, 97)][seed:] + [(3, 33)]
+    batch = paged_batch(shapes, 9, 3, 64, "bf16", 16, num_blocks=256, q_dtype=torch.bfloat16, seed=seed)
+    got, want = attention_both_ways(batch, 3, 64)
+    assert got.dtype == torch.bfloat16 and not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_an_unknown_kernel_is_refused():
+    with pytest.raises(ValueError, match="flash"):
+        cpu_attention.set_prefill_kernel("flash")
+
+
+ARGS = (9, 3, 64, torch.bfloat16, 2)
+
+
+@pytest.mark.parametrize("amx_over_sdpa,expected", [([0.5, 0.6], "amx"), ([0.97, 0.98], "sdpa"), ([1.3, 1.2], "sdpa")])
+def test_the_amx_kernel_only_where_clearly_faster(monkeypatch, amx_over_sdpa, expected):
+    monkeypatch.setattr(prefill_attention, "amx_applies", lambda *a: True)
+    monkeypatch.setattr(prefill_attention, "time_amx_over_sdpa", scripted(amx_over_sdpa))
+    assert prefill_attention.choose_prefill_attention("auto", "cpu", "cpu", *ARGS) == expected
+    assert prefill_attention.choose_prefill_attention("sdpa", "cpu", "cpu", *ARGS) == "sdpa"  # as configured
+    assert prefill_attention.choose_prefill_attention("amx", "cpu", "cpu", *ARGS) == "amx"
+
+
+def test_too_noisy_or_not_applicable_keeps_sdpa(monkeypatch):
+    monkeypatch.setattr(prefill_attention, "amx_applies", lambda *a: True)
+    monkeypatch.setattr(prefill_attention, "time_amx_over_sdpa", scripted([0.5], noisy=True))
+    assert prefill_attention.choose_prefill_attention("auto", "cpu", "cpu", *ARGS) == "sdpa"
+
+    def not_timed(*args, **kwargs):
+        raise AssertionError("nothing to time where the AMX kernel does not run")
+    monkeypatch.setattr(prefill_attention, "time_amx_over_sdpa", not_timed)
+    for device, backend, hkv in [("cuda", "triton", 3), ("cpu", "torch", 3), ("cpu", "cpu", 0)]:
+        assert prefill_attention.choose_prefill_attention("auto", device, backend, 9, hkv, 64, torch.bfloat16,
+                                                          2) == "sdpa"
+    monkeypatch.setattr(prefill_attention, "amx_applies", lambda *a: False)  # a host without AMX, a float32 model
+    assert prefill_attention.choose_prefill_attention("auto", "cpu", "cpu", *ARGS) == "sdpa"
+    with pytest.raises(ConfigError, match="AMX"):
+        prefill_attention.choose_prefill_attention("amx", "cpu", "cpu", *ARGS)
+
+
+def test_applies_exactly_where_the_host_has_amx():
+    assert prefill_attention.amx_applies(9, 3, 64, torch.bfloat16) == AMX
+    assert not prefill_attention.amx_applies(9, 3, 64, torch.float32)
+    assert not prefill_attention.amx_applies(9, 3, 40, torch.bfloat16)
+
+
+def test_the_probe_times_both_kernels_and_restores_the_choice(restore_kernel):
+    cpu_attention.set_prefill_kernel("sdpa")  # (without AMX the "amx" cases run SDPA: a ratio near 1)
+    threads = torch.get_num_threads()
+    comparison = prefill_attention.time_amx_over_sdpa(9, 3, 64, 1, budget_s=5.0)
+    assert comparison.rounds and all(r > 0 for r in comparison.rounds)
+    assert cpu_attention.prefill_kernel() == "sdpa" and torch.get_num_threads() == threads

@@ -1,0 +1,196 @@
+// A prefill chunk's causal attention over its own tokens on AMX tiles (bf16 products summed in float32): the work
+// PyTorch's CPU flash SDPA does for kernels/cpu_attention.py's own_tokens_attention, with the GQA heads of a KV head
+// sharing its K / V (no repeat), bf16 in and out, and the log-sum-exp the merge with a cached prefix needs.
+//
+// Layouts (elements, bf16 unless said): q row t's [Hq][D] at q + t * q_stride, k / v row t's [Hkv][D] at
+// k + t * k_stride (v likewise), out [L][Hq][D] contiguous, lse [L][Hq] float32 (natural log of the sum of
+// e^(scaled score), as SDPA returns it). Query t sees keys 0 .. t. D a multiple of 32.
+//
+// How, in transposed form: each KV head's K rows are copied (padded with zeros to a multiple of 32 keys) and its V
+// transposed ([D][keys]), so that both products' A tiles are plain strided loads. Per (query head, block of 16
+// queries), the block's Q^T is laid out once as B tiles; then over 32-key blocks up to the diagonal: S^T = K Q^T in
+// two C tiles (a 512-bit register then holds one key's scores for the 16 queries, so the softmax's maxima and sums
+// are lane-wise, with no reduction across lanes), the probabilities rounded to bf16 (the sum taken over the rounded
+// values, as the decode kernel does) and interleaved in pairs of keys as P^T's B tile, and O^T += V^T P^T in C tiles
+// over the block's float32 accumulator. The running maximum moves only when a block passes it by STALE_MAX, so the
+// accumulator is rarely rescaled.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd_common.h"
+
+int tm_amx_available(void);  // quant_linear_x16.c: the build has AMX and Linux lets this process use the tiles
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+#define QB 16  // queries a block (the C tiles' 16 columns)
+#define KB 32  // keys a block (two C tiles of S^T; the K dimension of the P V product)
+
+// GCC's tile intrinsics paste their tile number into the assembly: literal numbers only.
+#define T_S0 0
+#define T_S1 1
+#define T_A 2
+#define T_B 3
+#define T_P 4
+#define T_O 5
+
+// KV head h's K rows [Lp][D] and V transposed [D][Lp] (rows < L; zero from L to Lp, a multiple of KB): the A tiles
+// of the two products (16 keys x 32 dims; 16 dims x 32 keys) are then plain strided loads.
+static void pack_head(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, int64_t L,
+                      int64_t Lp, int h, int D, uint16_t *kp, uint16_t *vt) {
+    for (int64_t t = 0; t < Lp; t++) {
+        if (t < L)
+            memcpy(kp + t * D, k + t * k_stride + (int64_t)h * D, (size_t)D * 2);
+        else
+            memset(kp + t * D, 0, (size_t)D * 2);
+    }
+    for (int d = 0; d < D; d++)
+        for (int64_t t = 0; t < Lp; t++) vt[d * Lp + t] = t < L ? v[t * v_stride + (int64_t)h * D + d] : 0;
+}
+
+// The running maximum a row's probabilities are taken against moves only when a block's maximum passes it by more
+// than this (natural log units): until then probabilities reach up to e^8 (exact enough in float32 and bf16), and
+// the accumulators are not rescaled block after block.
+#define STALE_MAX 8.0f
+
+// Query head hq's block of queries q0 .. q0 + 15 (those < L) over keys 0 .. their last, in transposed form: S^T = K
+// Q^T (a register then holds one key's scores for the 16 queries, so the softmax's maxima and sums are lane-wise),
+// O^T += V^T P^T. qt: [D / 32][16 dim pairs][16 queries][2] scratch, s: [KB][16] float32, acc: [D][16] float32.
+static void query_block(const uint16_t *q, int64_t q_stride, uint16_t *out, float *lse, int64_t L, int Hq, int hq,
+                        int D, int64_t q0, int64_t Lp, const uint16_t *kp, const uint16_t *vt, float sm_scale,
+                        uint32_t *qt, float *s, float *acc) {
+    const int chunks = D / 32, dchunks = D / 16;
+    const int rows = L - q0 < QB ? (int)(L - q0) : QB;
+    for (int r = 0; r < QB; r++)  // Q^T's B tiles (zero past L)
+        for (int c = 0; c < chunks; c++)
+            for (int j = 0; j < 16; j++) {
+                uint32_t pair = 0;
+                if (r < rows) memcpy(&pair, q + (q0 + r) * q_stride + (int64_t)hq * D + 32 * c + 2 * j, 4);
+                qt[(c * 16 + j) * 16 + r] = pair;
+            }
+    memset(acc, 0, sizeof(float) * (size_t)(D * QB));
+    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+    const __m512 scale = _mm512_set1_ps(sm_scale), neg = _mm512_set1_ps(-INFINITY);
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512i pt[KB / 2];  // P^T's B tile: row j = keys 2j, 2j + 1 of each query, interleaved
+    const int64_t last = q0 + rows - 1;
+    for (int64_t k0 = 0; k0 <= last; k0 += KB) {
+        _tile_zero(T_S0);
+        _tile_zero(T_S1);
+        for (int c = 0; c < chunks; c++) {
+            _tile_loadd(T_B, qt + c * 256, 64);
+            _tile_loadd(T_A, kp + k0 * D + 32 * c, D * 2);
+            _tile_dpbf16ps(T_S0, T_A, T_B);
+            _tile_loadd(T_A, kp + (k0 + 16) * D + 32 * c, D * 2);
+            _tile_dpbf16ps(T_S1, T_A, T_B);
+        }
+        _tile_stored(T_S0, s, 64);
+        _tile_stored(T_S1, s + 16 * 16, 64);
+        // key k0 + j is seen by queries q0 + r for r >= k0 + j - q0 (k0 <= q0: every query sees key k0)
+        __mmask16 seen[KB];
+        __m512 top = neg;
+        for (int j = 0; j < KB; j++) {
+            const int64_t from = k0 + j - q0;
+            seen[j] = from <= 0 ? (__mmask16)0xFFFF : from >= 16 ? 0 : (__mmask16)(0xFFFFu << from);
+            top = _mm512_mask_max_ps(top, seen[j], top, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * j), scale));
+        }
+        const __mmask16 moved = _mm512_cmp_ps_mask(top, _mm512_add_ps(m, _mm512_set1_ps(STALE_MAX)), _CMP_GT_OQ);
+        if (moved) {  // those rows' maximum moves to the block's: their sums and accumulators are rescaled
+            const __m512 m_new = _mm512_mask_mov_ps(m, moved, top);
+            const __m512 correction = tm_exp16(_mm512_sub_ps(m, m_new));  // 1 where not moved; 0 from -inf
+            l = _mm512_mul_ps(l, correction);
+            for (int d = 0; d < D; d++) _mm512_storeu_ps(acc + d * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + d * 16),
+                                                                                   correction));
+            m = m_new;
+        }
+        for (int j = 0; j < KB; j += 2) {
+            const __m512 p0 = _mm512_maskz_mov_ps(seen[j], tm_exp16(_mm512_sub_ps(
+                _mm512_mul_ps(_mm512_loadu_ps(s + 16 * j), scale), m)));
+            const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], tm_exp16(_mm512_sub_ps(
+                _mm512_mul_ps(_mm512_loadu_ps(s + 16 * (j + 1)), scale), m)));
+            const __m256i b0 = (__m256i)_mm512_cvtneps_pbh(p0), b1 = (__m256i)_mm512_cvtneps_pbh(p1);
+            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
+            pt[j / 2] = _mm512_permutexvar_epi16(interleave, both);
+            l = _mm512_add_ps(l, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b0), 16)));
+            l = _mm512_add_ps(l, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b1), 16)));
+        }
+        _tile_loadd(T_P, pt, 64);
+        for (int dc = 0; dc < dchunks; dc++) {
+            _tile_loadd(T_O, acc + dc * 256, 64);
+            _tile_loadd(T_A, vt + (int64_t)dc * 16 * Lp + k0, Lp * 2);
+            _tile_dpbf16ps(T_O, T_A, T_P);
+            _tile_stored(T_O, acc + dc * 256, 64);
+        }
+    }
+    float inv[QB], row_max[QB], row_sum[QB];  // every row < rows saw key 0, so its sum is positive
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    _mm512_storeu_ps(row_max, m);
+    _mm512_storeu_ps(row_sum, l);
+    for (int r = 0; r < rows; r++) {
+        uint16_t *o = out + ((q0 + r) * Hq + hq) * (int64_t)D;
+        for (int d = 0; d < D; d++) {
+            float x = acc[d * 16 + r] * inv[r];
+            uint32_t bits;
+            memcpy(&bits, &x, 4);
+            o[d] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);  // nearest even (x finite)
+        }
+        if (lse) lse[(q0 + r) * Hq + hq] = row_max[r] + logf(row_sum[r]);
+    }
+}
+
+// Returns 0; -1 where this build or host has no AMX or D is not a multiple of 32; -2 when memory runs out.
+int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                             const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, int64_t L, int Hq,
+                             int Hkv, int D, float sm_scale, int threads) {
+    if (!tm_amx_available() || D % 32 != 0 || D > 256 || Hq % Hkv != 0 || L <= 0) return -1;
+    const int64_t Lp = (L + KB - 1) / KB * KB, head_elems = Lp * D;  // a head's K (or V) packed
+    uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * (size_t)(2 * Hkv * head_elems));
+    if (!packed) return -2;
+    const int G = Hq / Hkv;
+    const int64_t blocks = (L + QB - 1) / QB, items = (int64_t)Hq * blocks;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int h = 0; h < Hkv; h++)
+            pack_head(k, k_stride, v, v_stride, L, Lp, h, D, packed + 2 * h * head_elems,
+                      packed + (2 * h + 1) * head_elems);
+        uint32_t *qt = aligned_alloc(64, (size_t)(QB * D * 2));
+        float *s = aligned_alloc(64, sizeof(float) * KB * 16);
+        float *acc = aligned_alloc(64, sizeof(float) * (size_t)(QB * D));
+        if (!qt || !s || !acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        tm_configure_tiles(6);
+        // the last query blocks see the most keys: hand them out first
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; i++) {
+            if (!qt || !s || !acc) continue;
+            const int64_t b = blocks - 1 - i / Hq;
+            const int hq = (int)(i % Hq), h = hq / G;
+            query_block(q, q_stride, out, lse, L, Hq, hq, D, b * QB, Lp, packed + 2 * h * head_elems,
+                        packed + (2 * h + 1) * head_elems, sm_scale, qt, s, acc);
+        }
+        _tile_release();
+        free(qt);
+        free(s);
+        free(acc);
+    }
+    free(packed);
+    return failed ? -2 : 0;
+}
+
+#else
+int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                             const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, int64_t L, int Hq,
+                             int Hkv, int D, float sm_scale, int threads) {
+    (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)out; (void)lse; (void)L;
+    (void)Hq; (void)Hkv; (void)D; (void)sm_scale; (void)threads;
+    return -1;
+}
+#endif
