@@ -30,12 +30,38 @@ int tm_amx_available(void);  // quant_linear_x16.c: the build has AMX and Linux 
 #define KB 32  // keys a block (two C tiles of S^T; the K dimension of the P V product)
 
 // GCC's tile intrinsics paste their tile number into the assembly: literal numbers only.
+// S0 / S1: S^T's two C tiles; A: a K or V^T tile; B: a Q^T tile, then P^T's; 4 .. 7: O^T's C tiles for 4 chunks of 16
+// dims. Where D <= 64 those stay in the tile registers over all the key blocks (stored only to be rescaled), else
+// they go through the float32 accumulator in memory 4 chunks at a time (loads, then products, then stores).
 #define T_S0 0
 #define T_S1 1
 #define T_A 2
 #define T_B 3
-#define T_P 4
-#define T_O 5
+#define O_TILES 4
+
+// O^T's C tiles 4 .. 3 + n for the chunks dc0 .. dc0 + n - 1 (n <= 4) from (load) or to (store) the accumulator.
+static inline void move_o(float *acc, int dc0, int n, int load) {
+#define MOVE(tile, i)                                         \
+    if ((i) < n) {                                            \
+        if (load)                                             \
+            _tile_loadd(tile, acc + (dc0 + (i)) * 256, 64);   \
+        else                                                  \
+            _tile_stored(tile, acc + (dc0 + (i)) * 256, 64);  \
+    }
+    MOVE(4, 0) MOVE(5, 1) MOVE(6, 2) MOVE(7, 3)
+#undef MOVE
+}
+
+// O^T's tiles 4 .. 3 + n += V^T (chunks dc0 ..) P^T (in tile B) over the key block at k0.
+static inline void pv_product(const uint16_t *vt, int64_t Lp, int64_t k0, int dc0, int n) {
+#define PV(tile, i)                                                              \
+    if ((i) < n) {                                                               \
+        _tile_loadd(T_A, vt + (int64_t)(dc0 + (i)) * 16 * Lp + k0, Lp * 2);      \
+        _tile_dpbf16ps(tile, T_A, T_B);                                          \
+    }
+    PV(4, 0) PV(5, 1) PV(6, 2) PV(7, 3)
+#undef PV
+}
 
 // KV head h's K rows [Lp][D] and V transposed [D][Lp] (rows < L; zero from L to Lp, a multiple of KB): the A tiles
 // of the two products (16 keys x 32 dims; 16 dims x 32 keys) are then plain strided loads.
@@ -52,9 +78,23 @@ static void pack_head(const uint16_t *k, int64_t k_stride, const uint16_t *v, in
 }
 
 // The running maximum a row's probabilities are taken against moves only when a block's maximum passes it by more
-// than this (natural log units): until then probabilities reach up to e^8 (exact enough in float32 and bf16), and
-// the accumulators are not rescaled block after block.
-#define STALE_MAX 8.0f
+// than this (log2 units): until then probabilities reach up to 2^12 (as exact in float32 and bf16 as any), and the
+// accumulators are not rescaled block after block.
+#define STALE_MAX 12.0f
+
+// 2^x for -127 <= x <= STALE_MAX (any finite x works; -inf does not: clamp it first): 2^n 2^r with |r| <= 1/2,
+// 2^r by a degree-4 polynomial (Taylor's; relative error < 5e-5, far below the 2^-8 of the bf16 rounding the
+// probabilities get next), 2^n by vscalefps.
+static inline __m512 exp2_16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(9.6181291e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24022651f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.69314718f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
 
 // Query head hq's block of queries q0 .. q0 + 15 (those < L) over keys 0 .. their last, in transposed form: S^T = K
 // Q^T (a register then holds one key's scores for the 16 queries, so the softmax's maxima and sums are lane-wise),
@@ -72,12 +112,16 @@ static void query_block(const uint16_t *q, int64_t q_stride, uint16_t *out, floa
                 qt[(c * 16 + j) * 16 + r] = pair;
             }
     memset(acc, 0, sizeof(float) * (size_t)(D * QB));
+    // m: each query's running maximum in log2 units (score * scale * log2 e); l: its sum of rounded probabilities
     __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
-    const __m512 scale = _mm512_set1_ps(sm_scale), neg = _mm512_set1_ps(-INFINITY);
+    const __m512 c = _mm512_set1_ps(sm_scale * 1.44269504089f), neg = _mm512_set1_ps(-INFINITY);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bf16 1.0
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512i pt[KB / 2];  // P^T's B tile: row j = keys 2j, 2j + 1 of each query, interleaved
     const int64_t last = q0 + rows - 1;
+    const int resident = dchunks <= O_TILES;
+    if (resident) move_o(acc, 0, dchunks, 1);
     for (int64_t k0 = 0; k0 <= last; k0 += KB) {
         _tile_zero(T_S0);
         _tile_zero(T_S1);
@@ -90,45 +134,59 @@ static void query_block(const uint16_t *q, int64_t q_stride, uint16_t *out, floa
         }
         _tile_stored(T_S0, s, 64);
         _tile_stored(T_S1, s + 16 * 16, 64);
-        // key k0 + j is seen by queries q0 + r for r >= k0 + j - q0 (k0 <= q0: every query sees key k0)
+        // key k0 + j is seen by queries q0 + r for r >= k0 + j - q0 (k0 <= q0: every query sees key k0); blocks
+        // wholly below the diagonal need no mask
+        const int diagonal = k0 + KB - 1 > q0;
         __mmask16 seen[KB];
-        __m512 top = neg;
-        for (int j = 0; j < KB; j++) {
-            const int64_t from = k0 + j - q0;
-            seen[j] = from <= 0 ? (__mmask16)0xFFFF : from >= 16 ? 0 : (__mmask16)(0xFFFFu << from);
-            top = _mm512_mask_max_ps(top, seen[j], top, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * j), scale));
+        __m512 top = neg;  // the block's largest raw score per query
+        if (diagonal) {
+            for (int j = 0; j < KB; j++) {
+                const int64_t from = k0 + j - q0;
+                seen[j] = from <= 0 ? (__mmask16)0xFFFF : from >= 16 ? 0 : (__mmask16)(0xFFFFu << from);
+                top = _mm512_mask_max_ps(top, seen[j], top, _mm512_loadu_ps(s + 16 * j));
+            }
+        } else {
+            for (int j = 0; j < KB; j++) top = _mm512_max_ps(top, _mm512_loadu_ps(s + 16 * j));
         }
+        top = _mm512_mul_ps(top, c);
         const __mmask16 moved = _mm512_cmp_ps_mask(top, _mm512_add_ps(m, _mm512_set1_ps(STALE_MAX)), _CMP_GT_OQ);
         if (moved) {  // those rows' maximum moves to the block's: their sums and accumulators are rescaled
             const __m512 m_new = _mm512_mask_mov_ps(m, moved, top);
-            const __m512 correction = tm_exp16(_mm512_sub_ps(m, m_new));  // 1 where not moved; 0 from -inf
+            // 1 where not moved; 0 from -inf (the first block)
+            const __m512 correction = exp2_16(_mm512_max_ps(_mm512_sub_ps(m, m_new), _mm512_set1_ps(-127.0f)));
             l = _mm512_mul_ps(l, correction);
+            if (resident) move_o(acc, 0, dchunks, 0);
             for (int d = 0; d < D; d++) _mm512_storeu_ps(acc + d * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + d * 16),
                                                                                    correction));
+            if (resident) move_o(acc, 0, dchunks, 1);
             m = m_new;
         }
-        for (int j = 0; j < KB; j += 2) {
-            const __m512 p0 = _mm512_maskz_mov_ps(seen[j], tm_exp16(_mm512_sub_ps(
-                _mm512_mul_ps(_mm512_loadu_ps(s + 16 * j), scale), m)));
-            const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], tm_exp16(_mm512_sub_ps(
-                _mm512_mul_ps(_mm512_loadu_ps(s + 16 * (j + 1)), scale), m)));
-            const __m256i b0 = (__m256i)_mm512_cvtneps_pbh(p0), b1 = (__m256i)_mm512_cvtneps_pbh(p1);
-            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
-            pt[j / 2] = _mm512_permutexvar_epi16(interleave, both);
-            l = _mm512_add_ps(l, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b0), 16)));
-            l = _mm512_add_ps(l, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b1), 16)));
+        for (int j = 0; j < KB; j += 2) {  // 2^(s c - m), rounded to bf16, keys j and j + 1 interleaved
+            __m512 p0 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * j), c, m));
+            __m512 p1 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * (j + 1)), c, m));
+            if (diagonal) {
+                p0 = _mm512_maskz_mov_ps(seen[j], p0);
+                p1 = _mm512_maskz_mov_ps(seen[j + 1], p1);
+            }
+            pt[j / 2] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            l = _mm512_dpbf16_ps(l, (__m512bh)pt[j / 2], ones);  // + both rounded probabilities
         }
-        _tile_loadd(T_P, pt, 64);
-        for (int dc = 0; dc < dchunks; dc++) {
-            _tile_loadd(T_O, acc + dc * 256, 64);
-            _tile_loadd(T_A, vt + (int64_t)dc * 16 * Lp + k0, Lp * 2);
-            _tile_dpbf16ps(T_O, T_A, T_P);
-            _tile_stored(T_O, acc + dc * 256, 64);
+        _tile_loadd(T_B, pt, 64);
+        if (resident) {
+            pv_product(vt, Lp, k0, 0, dchunks);
+        } else {
+            for (int dc0 = 0; dc0 < dchunks; dc0 += O_TILES) {
+                const int n = dchunks - dc0 < O_TILES ? dchunks - dc0 : O_TILES;
+                move_o(acc, dc0, n, 1);
+                pv_product(vt, Lp, k0, dc0, n);
+                move_o(acc, dc0, n, 0);
+            }
         }
     }
+    if (resident) move_o(acc, 0, dchunks, 0);
     float inv[QB], row_max[QB], row_sum[QB];  // every row < rows saw key 0, so its sum is positive
     _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
-    _mm512_storeu_ps(row_max, m);
+    _mm512_storeu_ps(row_max, _mm512_mul_ps(m, _mm512_set1_ps(0.69314718056f)));  // natural-log units
     _mm512_storeu_ps(row_sum, l);
     for (int r = 0; r < rows; r++) {
         uint16_t *o = out + ((q0 + r) * Hq + hq) * (int64_t)D;
@@ -166,7 +224,7 @@ int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t
 #pragma omp atomic write
             failed = 1;
         }
-        tm_configure_tiles(6);
+        tm_configure_tiles(8);
         // the last query blocks see the most keys: hand them out first
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
