@@ -1,12 +1,14 @@
 """Time to first token of one long prompt on the offline engine, and where the prefill's time goes.
 
-    python benchmarks/prefill.py [--prompt-len 2000] [--repeats 3] [--dtype auto] [--out benchmarks/results/prefill.json]
+    python benchmarks/prefill.py [--prompt-len 2000] [--repeats 3] [--dtype auto] [--settings sdpa,amx]
+        [--out benchmarks/results/prefill.json]
 
-For each SDPA backend setting (``fused``: what the engine picks; ``math``: SDPA forced onto its unfused fallback,
-i.e. what tokenmill ran before the fix) it times ``repeats`` prefills of a random prompt of exactly
+For each setting of the own-token prefill attention (``sdpa``: PyTorch's flash SDPA; ``amx``: the AMX tile kernel of
+kernels/cpu/prefill_attention.c, where the host has AMX and the model is bf16; ``math``: SDPA forced onto its unfused
+fallback, what tokenmill ran before flash) it times ``repeats`` prefills of a random prompt of exactly
 ``--prompt-len`` tokens (one output token, so the time is the prefill plus one sample) on the default model, in one
-run, alternating the settings, then takes one torch profile per setting: the seconds in attention kernels and in
-matrix products. Writes JSON (the raw timings and profile totals) to ``--out``.
+run, alternating the settings, then takes one torch profile per setting: the seconds in attention (the engine's
+attention op, inclusive) and in matrix products. Writes JSON (the raw timings and profile totals) to ``--out``.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.cpu_attention import set_prefill_kernel
 
-SETTINGS = {"fused": None, "math": [SDPBackend.MATH]}
+# setting -> (own-token kernel, SDPA backends forced or None)
+SETTINGS = {"sdpa": ("sdpa", None), "amx": ("amx", None), "math": ("sdpa", [SDPBackend.MATH])}
 # Inclusive times; the engine's own ops (attention and the CPU linear layers, kernels/attention_op.py and
 # kernels/cpu_linear.py) hold the aten calls where they are present.
 ATTENTION_OPS = ("tokenmill::gqa_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -35,7 +39,8 @@ GEMM_OPS = ("tokenmill::cpu_linear", "aten::mm", "aten::addmm", "aten::bmm", "at
 
 def _prefill(llm: LLM, prompt: list[int], setting: str) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    backends = SETTINGS[setting]
+    kernel, backends = SETTINGS[setting]
+    set_prefill_kernel(kernel)
     start = time.perf_counter()
     if backends is None:
         llm.generate([prompt], params)
@@ -62,20 +67,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="auto", help="the engine's compute dtype (auto: measured at start-up)")
+    parser.add_argument("--settings", default="sdpa,amx", help=f"comma-separated, of {', '.join(SETTINGS)}")
     parser.add_argument("--out", default="benchmarks/results/prefill.json")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    settings = args.settings.split(",")
+    if unknown := [name for name in settings if name not in SETTINGS]:
+        parser.error(f"unknown settings {unknown}: choose from {list(SETTINGS)}")
 
     # No prefix caching: each setting prefills the same prompts, which would otherwise hit the cache.
     llm = LLM(max_model_len=max(2048, args.prompt_len + 8), dtype=args.dtype, enable_prefix_caching=False)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, llm.tokenizer.vocab_size, (args.repeats + 2, args.prompt_len), generator=gen).tolist()
-    _prefill(llm, prompts[-1][:64], "fused")  # warm-up
-    times: dict[str, list[float]] = {s: [] for s in SETTINGS}
+    for setting in settings:
+        _prefill(llm, prompts[-1][:64], setting)  # warm-up
+    times: dict[str, list[float]] = {s: [] for s in settings}
     for i in range(args.repeats):
-        for setting in SETTINGS:
+        for setting in settings if i % 2 == 0 else settings[::-1]:
             times[setting].append(_prefill(llm, prompts[i], setting))
-    profiles = {s: _profile(llm, prompts[-2], s) for s in SETTINGS}
+    profiles = {s: _profile(llm, prompts[-2], s) for s in settings}
     result = {
         "command": " ".join(["python benchmarks/prefill.py", *argv]),
         "dtype": str(llm.engine.runner.model.embed_tokens.weight.dtype),
@@ -86,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    for setting in SETTINGS:
+    for setting in settings:
         p = profiles[setting]
         print(f"{setting:>6}: prefill {result['median_seconds'][setting]:.2f} s (median of {args.repeats}); profile: "
               f"attention {p['attention_seconds']:.2f} s, linear layers {p['linear_seconds']:.2f} s")
