@@ -15,6 +15,8 @@ os.environ.setdefault("TOKENMILL_ENFORCE_EAGER", "1")
 os.environ.setdefault("TOKENMILL_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 # The CPU attention's prefetch target likewise (tests/engine/test_attention_prefetch.py times both).
 os.environ.setdefault("TOKENMILL_ATTENTION_PREFETCH", "l1")
+# And the prefill attention kernel (tests/kernels/test_prefill_attention.py times and runs both).
+os.environ.setdefault("TOKENMILL_PREFILL_ATTENTION", "sdpa")
 # Full-precision weights unless a test asks for quantized ones: the parity tests compare against transformers' fp32
 # model of the dequantized GGUF (tests/models/test_quantized*.py set --quantization themselves).
 os.environ.setdefault("TOKENMILL_QUANTIZATION", "none")

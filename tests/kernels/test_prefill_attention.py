@@ -54,6 +54,29 @@ def test_the_amx_kernel_is_causal_attention(length, hq, hkv, d):
     torch.testing.assert_close(lse.double(), want_lse, atol=2 ** -8 + 1e-5, rtol=0)
 
 
+def test_a_step_of_chunks_in_one_call():
+    """Several chunks of one step's rows in one call, into a given output: each chunk is causal over its own rows
+    only, and rows of no chunk (a decode's, between them) keep what the output held."""
+    hq, hkv, d = 9, 3, 64
+    gen = torch.Generator().manual_seed(1)
+    fused = torch.randn(100, hq + 2 * hkv, d, generator=gen).bfloat16()
+    q, k, v = fused.split([hq, hkv, hkv], dim=1)
+    chunks = [(0, 5), (5, 40), (60, 17), (99, 1)]
+    out = torch.full((100, hq, d), 7.0, dtype=torch.bfloat16)
+    result = cpu_attention.amx_prefill_attention(q, k, v, d ** -0.5, chunks, out)
+    if not AMX:
+        assert result is None and (out == 7.0).all()
+        return
+    assert result[0] is out
+    bound = 2 * 2 ** -8 * v.float().abs().max().item()
+    for start, length in chunks:
+        rows = slice(start, start + length)
+        want_out, want_lse = exact(q[rows], k[rows], v[rows], d ** -0.5)
+        torch.testing.assert_close(out[rows].double(), want_out, atol=bound, rtol=2 ** -8)
+        torch.testing.assert_close(result[1][rows].double(), want_lse, atol=2 ** -8 + 1e-5, rtol=0)
+    assert (out[45:60] == 7.0).all() and (out[77:99] == 7.0).all()
+
+
 def test_layouts_the_kernel_does_not_take_are_declined():
     q = torch.zeros(4, 4, 64, dtype=torch.bfloat16)
     assert cpu_attention.amx_prefill_attention(q.float(), q.float(), q.float(), 0.1) is None  # float32
@@ -122,3 +145,33 @@ def test_the_probe_times_both_kernels_and_restores_the_choice(restore_kernel):
     comparison = prefill_attention.time_amx_over_sdpa(9, 3, 64, 1, budget_s=5.0)
     assert comparison.rounds and all(r > 0 for r in comparison.rounds)
     assert cpu_attention.prefill_kernel() == "sdpa" and torch.get_num_threads() == threads
+
+
+def test_a_bf16_engine_prefills_as_exactly_with_either_kernel(smollm_hf, prompt_ids):
+    """End to end: a bf16 engine prefilling in chunks of 48 tokens (so chunks after the first merge with their cached
+    prefix) gives prompt logprobs as close to transformers' fp32 ones with the AMX kernel as with SDPA. Without AMX,
+    asking for the kernel is refused at start-up."""
+    from tokenmill import LLM, SamplingParams
+
+    def run(kernel: str) -> list[list]:
+        llm = LLM(dtype="bfloat16", kv_cache_dtype="bf16", kv_cache_memory="256MiB", max_model_len=1024,
+                  max_num_batched_tokens=48, prefill_attention=kernel, enable_prefix_caching=False)
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+        return [r.outputs[0].prompt_logprobs for r in llm.generate(prompt_ids, params)]
+
+    if not AMX:
+        with pytest.raises(ConfigError, match="AMX"):
+            run("amx")
+        return
+    model, _ = smollm_hf
+    with torch.no_grad():
+        reference = [model(torch.tensor([p])).logits[0].float().log_softmax(-1) for p in prompt_ids]
+
+    def error(entries_per_prompt: list[list]) -> float:
+        errors = [abs(entries[i][0] - ref[i - 1, prompt[i]].item())
+                  for entries, ref, prompt in zip(entries_per_prompt, reference, prompt_ids)
+                  for i in range(1, len(prompt))]
+        return sum(errors) / len(errors)
+    sdpa, amx = error(run("sdpa")), error(run("amx"))
+    assert max(len(p) for p in prompt_ids) > 96  # some prompt came in three chunks or more
+    assert amx <= 1.25 * sdpa + 0.01, (amx, sdpa)

@@ -19,6 +19,8 @@ places, and flash SDPA caps nothing); decode is what runs every step.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from tokenmill.kernels.attention_features import PLAIN, AttentionFeatures, apply_sinks
@@ -144,21 +146,29 @@ def prefill_kernel() -> str:
     return _prefill_kernel
 
 
-def amx_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
+def amx_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                          chunks: Sequence[tuple[int, int]] | None = None, out: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """own_tokens_attention on AMX tiles: bf16 q [L, Hq, D], k/v [L, Hkv, D] (heads contiguous within a token) ->
-    (out [L, Hq, D] bf16, lse [L, Hq] float32), or None where the kernel does not apply (no AMX in this build or
-    host, another dtype or layout, D not a multiple of 32)."""
+    """own_tokens_attention on AMX tiles for each chunk (start row, length; default: all rows, one chunk) of bf16
+    q [T, Hq, D], k/v [T, Hkv, D] (heads contiguous within a token), in one call -> (out [T, Hq, D] bf16: ``out`` where
+    given, contiguous; lse [T, Hq] float32), the chunks' rows written, others untouched; or None where the kernel does
+    not apply (no AMX in this build or host, another dtype or layout, D not a multiple of 32)."""
     lib = library()
     if lib is None or not all(t.dtype is torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
                               for t in (q, k, v)):
         return None
     num_tokens, hq, dim = q.shape
-    out = torch.empty((num_tokens, hq, dim), dtype=torch.bfloat16)
+    if out is None:
+        out = torch.empty((num_tokens, hq, dim), dtype=torch.bfloat16)
+    elif out.dtype is not torch.bfloat16 or not out.is_contiguous():
+        return None
     lse = torch.empty((num_tokens, hq), dtype=torch.float32)
+    runs = torch.tensor(chunks if chunks is not None else [(0, num_tokens)], dtype=torch.int64).reshape(-1, 2)
+    runs = runs.t().contiguous()  # [2, chunks]: starts, lengths
     code = lib.tm_prefill_attention_amx(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-                                        v.stride(0), out.data_ptr(), lse.data_ptr(), num_tokens, hq, k.shape[1], dim,
-                                        sm_scale, torch.get_num_threads())
+                                        v.stride(0), out.data_ptr(), lse.data_ptr(), runs[0].data_ptr(),
+                                        runs[1].data_ptr(), runs.shape[1], hq, k.shape[1], dim, sm_scale,
+                                        torch.get_num_threads())
     if code == -2:
         raise MemoryError("CPU prefill attention: scratch allocation failed")
     return (out, lse) if code == 0 else None
@@ -212,6 +222,17 @@ def paged_attention_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = prefill_chunk_attention(i, q, k_new, v_new, data, scales, meta, sm_scale, features)
         return out
+    if _prefill_kernel == "amx":  # every chunk's own tokens in one call, straight into out
+        chunks = [(meta.query_start_loc[i], meta.query_start_loc[i + 1] - meta.query_start_loc[i])
+                  for i in meta.prefill_indices]
+        done = amx_prefill_attention(q, k_new, v_new, sm_scale, chunks, out)
+        if done is not None:
+            for i, (start, length) in zip(meta.prefill_indices, chunks):
+                if meta.seq_lens[i] > length:  # a cached prefix: merge its part in
+                    end = start + length
+                    out[start:end] = merge(from_cache[start:end], lse[start:end], out[start:end],
+                                           done[1][start:end]).to(q.dtype)
+            return out
     for i in meta.prefill_indices:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         own, own_lse = own_tokens_attention(q[start:end], k_new[start:end], v_new[start:end], sm_scale)

@@ -2,9 +2,10 @@
 // PyTorch's CPU flash SDPA does for kernels/cpu_attention.py's own_tokens_attention, with the GQA heads of a KV head
 // sharing its K / V (no repeat), bf16 in and out, and the log-sum-exp the merge with a cached prefix needs.
 //
-// Layouts (elements, bf16 unless said): q row t's [Hq][D] at q + t * q_stride, k / v row t's [Hkv][D] at
-// k + t * k_stride (v likewise), out [L][Hq][D] contiguous, lse [L][Hq] float32 (natural log of the sum of
-// e^(scaled score), as SDPA returns it). Query t sees keys 0 .. t. D a multiple of 32.
+// Layouts (elements, bf16 unless said): a step's rows, of which each chunk holds a run: q row t's [Hq][D] at
+// q + t * q_stride, k / v row t's [Hkv][D] at k + t * k_stride (v likewise), out [T][Hq][D] contiguous, lse [T][Hq]
+// float32 (natural log of the sum of e^(scaled score), as SDPA returns it). A chunk's query i sees its keys 0 .. i.
+// D a multiple of 32.
 //
 // How, in transposed form: each KV head's K rows are copied (padded with zeros to a multiple of 32 keys) and its V
 // transposed ([D][keys]), so that both products' A tiles are plain strided loads. Per (query head, block of 16
@@ -200,23 +201,56 @@ static void query_block(const uint16_t *q, int64_t q_stride, uint16_t *out, floa
     }
 }
 
-// Returns 0; -1 where this build or host has no AMX or D is not a multiple of 32; -2 when memory runs out.
+// Every chunk c's own-token attention (rows starts[c] .. starts[c] + lens[c] - 1 of q, k, v, out and lse, each chunk
+// on its own: the prefill chunks of one step). Returns 0; -1 where this build or host has no AMX or D is not a
+// multiple of 32; -2 when memory runs out.
 int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                             const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, int64_t L, int Hq,
-                             int Hkv, int D, float sm_scale, int threads) {
-    if (!tm_amx_available() || D % 32 != 0 || D > 256 || Hq % Hkv != 0 || L <= 0) return -1;
-    const int64_t Lp = (L + KB - 1) / KB * KB, head_elems = Lp * D;  // a head's K (or V) packed
-    uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * (size_t)(2 * Hkv * head_elems));
-    if (!packed) return -2;
+                             const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
+                             const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads) {
+    if (!tm_amx_available() || D % 32 != 0 || D > 256 || Hkv <= 0 || Hq % Hkv != 0 || chunks <= 0) return -1;
+    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)(chunks + 1));  // chunk c's packed K / V from offsets[c]
+    if (!offsets) return -2;
+    int64_t pairs = 0, most = 0;  // (chunk, query block) pairs; the most blocks of a chunk
+    offsets[0] = 0;
+    for (int c = 0; c < chunks; c++) {
+        if (lens[c] <= 0) {
+            free(offsets);
+            return -1;
+        }
+        const int64_t blocks = (lens[c] + QB - 1) / QB;
+        offsets[c + 1] = offsets[c] + 2 * Hkv * ((lens[c] + KB - 1) / KB * KB) * D;
+        pairs += blocks;
+        most = blocks > most ? blocks : most;
+    }
+    uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * (size_t)((offsets[chunks] + 31) / 32 * 32));
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(2 * pairs));  // (chunk, block), the later blocks first
+    if (!packed || !order) {
+        free(offsets);
+        free(packed);
+        free(order);
+        return -2;
+    }
+    int64_t n = 0;
+    for (int64_t b = most - 1; b >= 0; b--)  // a block sees as many keys as its index: the heaviest go out first
+        for (int c = 0; c < chunks; c++)
+            if ((lens[c] + QB - 1) / QB > b) {
+                order[2 * n] = c;
+                order[2 * n + 1] = b;
+                n++;
+            }
     const int G = Hq / Hkv;
-    const int64_t blocks = (L + QB - 1) / QB, items = (int64_t)Hq * blocks;
+    const int64_t items = pairs * Hq;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int h = 0; h < Hkv; h++)
-            pack_head(k, k_stride, v, v_stride, L, Lp, h, D, packed + 2 * h * head_elems,
-                      packed + (2 * h + 1) * head_elems);
+        for (int64_t i = 0; i < (int64_t)chunks * Hkv; i++) {
+            const int c = (int)(i / Hkv), h = (int)(i % Hkv);
+            const int64_t Lp = (lens[c] + KB - 1) / KB * KB;
+            uint16_t *kp = packed + offsets[c] + 2 * h * Lp * D;
+            pack_head(k + starts[c] * k_stride, k_stride, v + starts[c] * v_stride, v_stride, lens[c], Lp, h, D, kp,
+                      kp + Lp * D);
+        }
         uint32_t *qt = aligned_alloc(64, (size_t)(QB * D * 2));
         float *s = aligned_alloc(64, sizeof(float) * KB * 16);
         float *acc = aligned_alloc(64, sizeof(float) * (size_t)(QB * D));
@@ -225,14 +259,15 @@ int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t
             failed = 1;
         }
         tm_configure_tiles(8);
-        // the last query blocks see the most keys: hand them out first
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
             if (!qt || !s || !acc) continue;
-            const int64_t b = blocks - 1 - i / Hq;
+            const int64_t c = order[2 * (i / Hq)], b = order[2 * (i / Hq) + 1], start = starts[c];
             const int hq = (int)(i % Hq), h = hq / G;
-            query_block(q, q_stride, out, lse, L, Hq, hq, D, b * QB, Lp, packed + 2 * h * head_elems,
-                        packed + (2 * h + 1) * head_elems, sm_scale, qt, s, acc);
+            const int64_t Lp = (lens[c] + KB - 1) / KB * KB;
+            const uint16_t *kp = packed + offsets[c] + 2 * h * Lp * D;
+            query_block(q + start * q_stride, q_stride, out + start * Hq * D, lse ? lse + start * Hq : NULL, lens[c],
+                        Hq, hq, D, b * QB, Lp, kp, kp + Lp * D, sm_scale, qt, s, acc);
         }
         _tile_release();
         free(qt);
@@ -240,15 +275,17 @@ int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t
         free(acc);
     }
     free(packed);
+    free(order);
+    free(offsets);
     return failed ? -2 : 0;
 }
 
 #else
 int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                             const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, int64_t L, int Hq,
-                             int Hkv, int D, float sm_scale, int threads) {
-    (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)out; (void)lse; (void)L;
-    (void)Hq; (void)Hkv; (void)D; (void)sm_scale; (void)threads;
+                             const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
+                             const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads) {
+    (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)out; (void)lse; (void)starts;
+    (void)lens; (void)chunks; (void)Hq; (void)Hkv; (void)D; (void)sm_scale; (void)threads;
     return -1;
 }
 #endif
