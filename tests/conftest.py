@@ -17,6 +17,9 @@ os.environ.setdefault("TOKENMILL_NUM_THREADS", str(len(os.sched_getaffinity(0)))
 os.environ.setdefault("TOKENMILL_ATTENTION_PREFETCH", "l1")
 # And the prefill attention kernel (tests/kernels/test_prefill_attention.py times and runs both).
 os.environ.setdefault("TOKENMILL_PREFILL_ATTENTION", "sdpa")
+# KV cache pages at first use: populating each test engine's cache (2 GiB unless set) would cost start-up seconds and
+# hold that memory per engine alive (tests/kvcache/test_populate.py covers both modes).
+os.environ.setdefault("TOKENMILL_KV_CACHE_POPULATE", "lazy")
 # Full-precision weights unless a test asks for quantized ones: the parity tests compare against transformers' fp32
 # model of the dequantized GGUF (tests/models/test_quantized*.py set --quantization themselves).
 os.environ.setdefault("TOKENMILL_QUANTIZATION", "none")

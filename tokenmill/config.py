@@ -103,6 +103,10 @@ class EngineConfig(BaseSettings):
     kv_cache_memory: int | None = Field(
         None, gt=0, description="KV cache bytes (accepts '2GiB'); unset: 2 GiB on a CPU, on a GPU what "
                                 "gpu_memory_utilization leaves after the weights (set: exactly this, on any device)")
+    kv_cache_populate: Literal["startup", "lazy"] = Field(
+        "startup", description="when a CPU cache's pages become resident (each costs a page fault at its first write, "
+                               "~12 us on a VM whose host backs memory lazily): startup = before the engine is ready, "
+                               "as a zeroed cache; lazy = at first use, inside the engine step that reaches them")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     enable_prefix_caching: bool = Field(True, description="reuse the KV of full blocks shared with earlier prompts "
                                                           "(hash-chained, LRU-evicted only when the pool needs room)")

@@ -79,6 +79,8 @@ def build_runner(config: EngineConfig, settled: Settled, checkpoint: Checkpoint,
         log.info("model runs eagerly (%s)", "enforce_eager" if config.enforce_eager else
                  f"{type(loaded.model).__name__} is not compiled" if settled.tensor_parallel_size == 1 else
                  "tensor-parallel ranks run eagerly")
+    # After the start-up timings, compile and warm-up, which populating beside them would disturb.
+    loaded.kv_cache.populate(config.kv_cache_populate, torch.get_num_threads())
     graphs = None
     if settled.execution == "cuda_graphs":
         graphs = DecodeGraphs(loaded.model, loaded.kv_cache, config.max_num_seqs, loaded.max_model_len)

@@ -14,6 +14,7 @@ import mmap
 
 import torch
 
+from tokenmill.kvcache.populate import MODES, populate_on_threads
 from tokenmill.kvcache.spec import KVCacheSpec
 
 STORAGE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -35,6 +36,16 @@ class KVCache:
         self.scales: list[torch.Tensor | None] = [scales[i] for i in groups.tensor_of_layer]
         self.group_of_layer = groups.group_of_layer
         self._tensors = data + [t for t in scales if t is not None]
+        self.populated_bytes = 0  # made resident by populate() (kvcache/populate.py)
+
+    def populate(self, mode: str, threads: int = 1) -> None:
+        """Make the CPU tensors' pages resident as kvcache/populate.py's ``mode`` says (a GPU cache has nothing to
+        do). Called after the engine's start-up timings and compilation, which it would disturb."""
+        if mode not in MODES:
+            raise ValueError(f"kv_cache_populate={mode!r}: one of {MODES}")
+        regions = [(t.data_ptr(), t.nbytes) for t in self._tensors if t.device.type == "cpu" and t.nbytes]
+        if mode == "startup" and regions:
+            self.populated_bytes += populate_on_threads(regions, threads)
 
     @property
     def nbytes(self) -> int:
@@ -47,7 +58,8 @@ class KVCache:
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A tensor of zeros. On a CPU its memory is an anonymous mapping, whose pages the OS zero-fills as each is first
     touched: nothing is written now, and blocks never used never become resident (torch.zeros writes every page at
-    start-up, in time that grows with the cache: 1.3-2.3 s for 512 MiB in a server's engine process on a 2-core VM)."""
+    start-up, in time that grows with the cache: 1.3-2.3 s for 512 MiB in a server's engine process on a 2-core VM).
+    KVCache.populate makes the pages resident later, off the engine's path (kvcache/populate.py)."""
     if torch.device(device).type != "cpu" or math.prod(shape) == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # the tensor keeps it alive
