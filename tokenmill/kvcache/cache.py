@@ -45,7 +45,7 @@ class KVCache:
             raise ValueError(f"kv_cache_populate={mode!r}: one of {MODES}")
         regions = [(t.data_ptr(), t.nbytes) for t in self._tensors if t.device.type == "cpu" and t.nbytes]
         if mode == "startup" and regions:
-            self.populated_bytes += populate_on_threads(regions, threads)
+            self.populated_bytes = populate_on_threads(regions, threads)
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +59,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     """A tensor of zeros. On a CPU its memory is an anonymous mapping, whose pages the OS zero-fills as each is first
     touched: nothing is written now, and blocks never used never become resident (torch.zeros writes every page at
     start-up, in time that grows with the cache: 1.3-2.3 s for 512 MiB in a server's engine process on a 2-core VM).
-    KVCache.populate makes the pages resident later, off the engine's path (kvcache/populate.py)."""
+    KVCache.populate makes them all resident before the engine is ready, unless kv_cache_populate=lazy
+    (kvcache/populate.py)."""
     if torch.device(device).type != "cpu" or math.prod(shape) == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # the tensor keeps it alive
