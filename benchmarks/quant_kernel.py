@@ -7,7 +7,11 @@ weight-only matmul (``_weight_int8pack_mm``, per channel), and the dense float32
 oneDNN (what tokenmill runs otherwise). Each case walks as many weight copies as the model has layers of that shape,
 up to 96 MB (cold, as a decode step reads them); fastest of interleaved rounds.
 
-    python benchmarks/quant_kernel.py [--rows 1,4,16,64] [--threads 2] [--out benchmarks/results/quant-kernel.json]
+    python benchmarks/quant_kernel.py [--rows 1,4,16,64] [--threads 2] [--shapes qkv,o] [--cases "interleaved,dense bf16"]
+        [--out benchmarks/results/quant-kernel.json]
+
+``--shapes`` and ``--cases`` keep only the named shapes and the cases whose name contains one of the given words
+(the torch int8 weight-only case alone takes seconds a call at hundreds of rows).
 """
 
 from __future__ import annotations
@@ -46,13 +50,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--cases", default=None, help="comma-separated words; a case runs if its name contains one")
     parser.add_argument("--out", default="benchmarks/results/quant-kernel.json")
     args = parser.parse_args()
+    shapes = args.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}: choose from {list(SHAPES)}")
+    wanted = args.cases.split(",") if args.cases else None
     torch.set_num_threads(args.threads)
     int4, int8 = WeightFormat.parse("int4-g32"), WeightFormat.parse("int8-g32")
     results = []
     with torch.inference_mode():
-        for name, (out, inp, count) in SHAPES.items():
+        for name in shapes:
+            out, inp, count = SHAPES[name]
             copies = max(1, min(count, COLD_BYTES // (out * inp * 4)))
             dense = [torch.randn(out, inp) / math.sqrt(inp) for _ in range(copies)]
             packed = [pack_weight(w) for w in dense]
@@ -93,6 +105,8 @@ def main() -> int:
                     "torch int8 weight-only (per channel)": lambda: [
                         torch.ops.aten._weight_int8pack_mm(x, w, s8) for w in w8],
                 }
+                if wanted:
+                    works = {k: v for k, v in works.items() if any(word in k for word in wanted)}
                 for work in works.values():
                     work()
                 best = best_of(works)
@@ -101,7 +115,8 @@ def main() -> int:
                 results.append(row)
                 print(name, rows, ", ".join(f"{k}: {v:.1f} us" for k, v in row["us_per_call"].items()))
     Path(args.out).write_text(json.dumps({
-        "command": f"python benchmarks/quant_kernel.py --rows {args.rows} --threads {args.threads}",
+        "command": f"python benchmarks/quant_kernel.py --rows {args.rows} --threads {args.threads} --shapes "
+                   f"{args.shapes}" + (f" --cases '{args.cases}'" if args.cases else ""),
         "torch": torch.__version__, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
