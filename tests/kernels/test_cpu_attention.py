@@ -137,7 +137,7 @@ def test_a_decode_step_in_bf16_rounds_the_float32_result(kv_dtype, window, softc
     q = fused[:, :hq * d].view(-1, hq, d)  # strided rows, as the model's q is
     segments = cpu_attention._segments(batch.meta, window, with_prefills=False)
     tables = batch.meta.block_tables.long().contiguous()
-    got = cpu_attention.decode_attention_bf16(q, batch.data, batch.scales, cpu_attention._step_arguments(
+    got = cpu_attention.step_attention_bf16(q, batch.data, batch.scales, cpu_attention.step_arguments(
         tables, segments), d ** -0.5, softcap)
     want, _ = cpu_attention.cache_attention(q, batch.data, batch.scales, tables, segments, d ** -0.5, softcap)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
@@ -212,3 +212,47 @@ def test_the_c_kv_write_equals_the_reference(dtype):
     assert torch.equal(got, want)  # nothing written
     # another dtype than the cache's: the reference's job (it casts)
     assert not cpu_attention.write_kv_cpu(got, k.half(), v.half(), slots)
+
+
+@pytest.fixture
+def paged_prefill():
+    """The "paged" prefill kernel for one test (prefill chunks as causal segments of the cache kernel)."""
+    before = cpu_attention.prefill_kernel()
+    cpu_attention.set_prefill_kernel("paged")
+    yield
+    cpu_attention.set_prefill_kernel(before)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_prefill_chunks_as_causal_segments_match_reference(paged_prefill, seed, monkeypatch):
+    """With the "paged" prefill kernel a bf16 model's step (decodes, prompts, chunks over a cached prefix) is one
+    call of the cache kernel, each chunk a causal segment over its whole sequence, and gives the reference's
+    result: head sizes that take the bf16 path (multiples of 16) and that take the widening one (40), queries and
+    chunks that end inside a block, chunks longer than a tile of queries, and more than one thread."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    pick = picker(gen)
+    hq, hkv = pick([(9, 3), (8, 2), (6, 1), (4, 4), (20, 2)])
+    d, block_size = pick([16, 40, 64, 128]), pick([1, 4, 16, 32])
+    shapes = [(int(torch.randint(0, 70, (1,), generator=gen)), pick([1, 1, 2, 7, 19, 70]))
+              for _ in range(int(torch.randint(1, 7, (1,), generator=gen)))] + [(0, 37)]
+    batch = paged_batch(shapes, hq, hkv, d, "bf16", block_size, num_blocks=1024, q_dtype=torch.bfloat16, seed=seed)
+    calls = []
+    real = cpu_attention.step_attention_bf16
+    monkeypatch.setattr(cpu_attention, "step_attention_bf16", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(cpu_attention, "own_tokens_attention", lambda *a, **k: pytest.fail("an own-token pass ran"))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, want = attention_both_ways(batch, hkv, d)
+    finally:
+        torch.set_num_threads(previous)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, atol=TOLERANCE[torch.bfloat16], rtol=TOLERANCE[torch.bfloat16])
+
+
+def test_paged_prefill_leaves_other_caches_to_the_own_token_kernels(paged_prefill):
+    """An fp8 cache holds the chunk's own keys quantized: its prefill chunks keep the exact own-token pass (and
+    the reference's result), whatever kernel was settled."""
+    batch = paged_batch([(5, 6), (0, 16), (30, 1)], 6, 2, 64, "fp8", 4, num_blocks=256, q_dtype=torch.bfloat16)
+    got, want = attention_both_ways(batch, 2, 64)
+    torch.testing.assert_close(got, want, atol=TOLERANCE[torch.bfloat16], rtol=TOLERANCE[torch.bfloat16])

@@ -86,7 +86,7 @@ def test_layouts_the_kernel_does_not_take_are_declined():
     assert cpu_attention.amx_prefill_attention(transposed, q, q, 0.1) is None
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "amx"])
+@pytest.mark.parametrize("kernel", ["sdpa", "amx", "paged"])
 @pytest.mark.parametrize("seed", range(4))
 def test_whole_batches_with_cached_prefixes_match_the_reference(restore_kernel, kernel, seed):
     """Decodes and prefill chunks with and without a cached prefix (the own-token part merged with the prefix's by
@@ -110,7 +110,7 @@ ARGS = (9, 3, 64, torch.bfloat16, 2)
 @pytest.mark.parametrize("amx_over_sdpa,expected", [([0.5, 0.6], "amx"), ([0.97, 0.98], "sdpa"), ([1.3, 1.2], "sdpa")])
 def test_the_amx_kernel_only_where_clearly_faster(monkeypatch, amx_over_sdpa, expected):
     monkeypatch.setattr(prefill_attention, "amx_applies", lambda *a: True)
-    monkeypatch.setattr(prefill_attention, "time_amx_over_sdpa", scripted(amx_over_sdpa))
+    monkeypatch.setattr(prefill_attention, "time_kernels", scripted(amx_over_sdpa))
     assert prefill_attention.choose_prefill_attention("auto", "cpu", "cpu", *ARGS) == expected
     assert prefill_attention.choose_prefill_attention("sdpa", "cpu", "cpu", *ARGS) == "sdpa"  # as configured
     assert prefill_attention.choose_prefill_attention("amx", "cpu", "cpu", *ARGS) == "amx"
@@ -118,12 +118,12 @@ def test_the_amx_kernel_only_where_clearly_faster(monkeypatch, amx_over_sdpa, ex
 
 def test_too_noisy_or_not_applicable_keeps_sdpa(monkeypatch):
     monkeypatch.setattr(prefill_attention, "amx_applies", lambda *a: True)
-    monkeypatch.setattr(prefill_attention, "time_amx_over_sdpa", scripted([0.5], noisy=True))
+    monkeypatch.setattr(prefill_attention, "time_kernels", scripted([0.5], noisy=True))
     assert prefill_attention.choose_prefill_attention("auto", "cpu", "cpu", *ARGS) == "sdpa"
 
     def not_timed(*args, **kwargs):
         raise AssertionError("nothing to time where the AMX kernel does not run")
-    monkeypatch.setattr(prefill_attention, "time_amx_over_sdpa", not_timed)
+    monkeypatch.setattr(prefill_attention, "time_kernels", not_timed)
     for device, backend, hkv in [("cuda", "triton", 3), ("cpu", "torch", 3), ("cpu", "cpu", 0)]:
         assert prefill_attention.choose_prefill_attention("auto", device, backend, 9, hkv, 64, torch.bfloat16,
                                                           2) == "sdpa"
@@ -139,12 +139,45 @@ def test_applies_exactly_where_the_host_has_amx():
     assert not prefill_attention.amx_applies(9, 3, 40, torch.bfloat16)
 
 
-def test_the_probe_times_both_kernels_and_restores_the_choice(restore_kernel):
+@pytest.mark.parametrize("candidate", ["amx", "paged"])
+def test_the_probe_times_both_kernels_and_restores_the_choice(restore_kernel, candidate):
     cpu_attention.set_prefill_kernel("sdpa")  # (without AMX the "amx" cases run SDPA: a ratio near 1)
     threads = torch.get_num_threads()
-    comparison = prefill_attention.time_amx_over_sdpa(9, 3, 64, 1, budget_s=5.0)
+    comparison = prefill_attention.time_kernels("sdpa", candidate, 9, 3, 64, 1, budget_s=5.0)
     assert comparison.rounds and all(r > 0 for r in comparison.rounds)
     assert cpu_attention.prefill_kernel() == "sdpa" and torch.get_num_threads() == threads
+
+
+def test_the_paged_probe_runs_what_serving_runs(monkeypatch):
+    """The "paged" probe's work is the prompt's causal attention: its output is exact causal attention to bf16
+    precision."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(70, 9 + 6, 64, generator=gen).bfloat16()
+    q, k, v = qkv.split([9, 3, 3], dim=1)
+    captured = []
+    real = cpu_attention.step_attention_bf16
+    monkeypatch.setattr(prefill_attention, "step_attention_bf16", lambda *a, **kw: captured.append(real(*a, **kw)))
+    prefill_attention._chunk_work("paged", qkv, 9, 3, 64, 16)()
+    want, _ = exact(q, k, v, 64 ** -0.5)
+    torch.testing.assert_close(captured[0].double(), want, atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("paged_over_best,expected", [([0.5, 0.6], "paged"), ([0.97, 0.98], "sdpa")])
+def test_the_paged_kernel_only_where_clearly_faster(monkeypatch, paged_over_best, expected):
+    monkeypatch.setattr(prefill_attention, "amx_applies", lambda *a: False)
+    timed = []
+    monkeypatch.setattr(prefill_attention, "time_kernels",
+                        lambda a, b, *rest, **kw: timed.append((a, b)) or scripted(paged_over_best)())
+    assert prefill_attention.choose_prefill_attention("auto", "cpu", "cpu", *ARGS, kv_dtype="bf16") == expected
+    assert timed == [("sdpa", "paged")]
+    # not a candidate over an fp8 cache or for a float32 model; refused when asked for there
+    timed.clear()
+    assert prefill_attention.choose_prefill_attention("auto", "cpu", "cpu", *ARGS, kv_dtype="fp8") == "sdpa"
+    assert prefill_attention.choose_prefill_attention("auto", "cpu", "cpu", 9, 3, 64, torch.float32, 2,
+                                                      kv_dtype="fp32") == "sdpa"
+    assert timed == []
+    with pytest.raises(ConfigError, match="bf16 KV cache"):
+        prefill_attention.choose_prefill_attention("paged", "cpu", "cpu", *ARGS, kv_dtype="fp8")
 
 
 def test_a_bf16_engine_prefills_as_exactly_with_either_kernel(smollm_hf, prompt_ids):
@@ -159,10 +192,6 @@ def test_a_bf16_engine_prefills_as_exactly_with_either_kernel(smollm_hf, prompt_
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
         return [r.outputs[0].prompt_logprobs for r in llm.generate(prompt_ids, params)]
 
-    if not AMX:
-        with pytest.raises(ConfigError, match="AMX"):
-            run("amx")
-        return
     model, _ = smollm_hf
     with torch.no_grad():
         reference = [model(torch.tensor([p])).logits[0].float().log_softmax(-1) for p in prompt_ids]
@@ -172,6 +201,12 @@ def test_a_bf16_engine_prefills_as_exactly_with_either_kernel(smollm_hf, prompt_
                   for entries, ref, prompt in zip(entries_per_prompt, reference, prompt_ids)
                   for i in range(1, len(prompt))]
         return sum(errors) / len(errors)
-    sdpa, amx = error(run("sdpa")), error(run("amx"))
+    sdpa, paged = error(run("sdpa")), error(run("paged"))
     assert max(len(p) for p in prompt_ids) > 96  # some prompt came in three chunks or more
+    assert paged <= 1.25 * sdpa + 0.01, (paged, sdpa)
+    if not AMX:
+        with pytest.raises(ConfigError, match="AMX"):
+            run("amx")
+        return
+    amx = error(run("amx"))
     assert amx <= 1.25 * sdpa + 0.01, (amx, sdpa)

@@ -1,52 +1,70 @@
-"""Which kernel runs a CPU prefill chunk's attention over its own tokens (kernels/cpu_attention.py,
-own_tokens_attention): PyTorch's flash SDPA, or the AMX tile kernel of kernels/cpu/prefill_attention.c where the
-build and the host have AMX and the model computes in bf16. Settled at start-up by timing both at the model's head
-layout over a busy step's chunk and a long prompt's; SDPA (what always ran before) stays unless the AMX kernel is
-clearly faster, or when the machine is too noisy to tell.
+"""Which kernel runs a CPU prefill chunk's attention (kernels/cpu_attention.py): PyTorch's flash SDPA over its own
+tokens; the AMX tile kernel of kernels/cpu/prefill_attention.c where the build and the host have AMX and the model
+computes in bf16; or "paged", the cache kernel of kernels/cpu/paged_attention.c with the chunk as a causal segment
+of its sequence (a bf16 model over a bf16 cache). Settled at start-up by timing each candidate against the best so
+far at the model's head layout over a busy step's chunk and a long prompt's; SDPA (what always ran before) stays
+unless another is clearly faster, or when the machine is too noisy to tell.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 
 from tokenmill.config import ConfigError
 from tokenmill.engine.probe import Clock, Comparison, compare
 from tokenmill.kernels.cpu_attention import amx_prefill_attention, own_tokens_attention, prefill_kernel, \
-    set_prefill_kernel
+    set_prefill_kernel, step_arguments, step_attention_bf16
 
 log = logging.getLogger(__name__)
 
-# The AMX kernel is kept only when it is at least this much faster (time(SDPA) / time(AMX)).
-AMX_MIN_SPEEDUP = 1.05
+# Another kernel replaces the one chosen so far only when it is at least this much faster (time(old) / time(new)).
+MIN_SPEEDUP = 1.05
 PROBE_BUDGET_S = 1.5
 # The probe's chunks: a 256-token prompt (a busy step's) and a 1,024-token one.
 PROBE_LENGTHS = (256, 1024)
 
 
 def choose_prefill_attention(mode: str, device: str, backend: str, num_heads: int, num_kv_heads: int, head_dim: int,
-                             dtype: torch.dtype, threads: int, clock: Clock = time.perf_counter) -> str:
-    """"sdpa" | "amx": ``mode`` itself unless "auto" (ConfigError for "amx" where it cannot run); "sdpa" where the
-    C kernels do not run (a GPU, the PyTorch references, MLA models: ``num_kv_heads`` 0) or the AMX kernel does
-    not apply."""
-    runs = device == "cpu" and backend == "cpu" and num_kv_heads > 0 and \
-        amx_applies(num_heads, num_kv_heads, head_dim, dtype)
-    if mode == "amx" and not runs:
+                             dtype: torch.dtype, threads: int, clock: Clock = time.perf_counter,
+                             kv_dtype: str | None = None, block_size: int = 16) -> str:
+    """"sdpa" | "amx" | "paged": ``mode`` itself unless "auto" (ConfigError for a kernel that cannot run); "sdpa"
+    where the C kernels do not run (a GPU, the PyTorch references, MLA models: ``num_kv_heads`` 0) or neither other
+    kernel applies. ``kv_dtype`` (the settled KV cache dtype; None: not known, so "paged" is not a candidate) and
+    ``block_size`` are the cache's."""
+    cpu = device == "cpu" and backend == "cpu" and num_kv_heads > 0
+    candidates = {"amx": cpu and amx_applies(num_heads, num_kv_heads, head_dim, dtype),
+                  "paged": cpu and paged_applies(dtype, kv_dtype)}
+    if mode == "amx" and not candidates["amx"]:
         raise ConfigError("--prefill-attention amx needs a CPU with AMX, the C kernels (kernel_backend cpu), a bf16 "
                           "model with a head size that is a multiple of 32, and no MLA")
+    if mode == "paged" and not candidates["paged"]:
+        raise ConfigError("--prefill-attention paged needs the C kernels (kernel_backend cpu), a bf16 model over a "
+                          "bf16 KV cache, and no MLA")
     if mode != "auto":
         return mode
-    if not runs:
-        return "sdpa"
-    comparison = time_amx_over_sdpa(num_heads, num_kv_heads, head_dim, threads, clock=clock)
-    if comparison.ratio is None:
-        log.warning("prefill attention: SDPA, since the machine is too noisy to tell (%s)", comparison.describe())
-        return "sdpa"
-    chosen = "amx" if comparison.ratio * AMX_MIN_SPEEDUP <= 1.0 else "sdpa"
-    log.info("prefill attention: %s (the AMX kernel's time / SDPA's: %s)", chosen.upper(), comparison.describe())
+    chosen = "sdpa"
+    for candidate in (name for name, runs in candidates.items() if runs):
+        comparison = time_kernels(chosen, candidate, num_heads, num_kv_heads, head_dim, threads, block_size,
+                                  clock=clock)
+        if comparison.ratio is None:
+            log.warning("prefill attention: %s over %s, since the machine is too noisy to tell (%s)", chosen.upper(),
+                        candidate.upper(), comparison.describe())
+            continue
+        log.info("prefill attention: %s's time / %s's: %s", candidate.upper(), chosen.upper(), comparison.describe())
+        if comparison.ratio * MIN_SPEEDUP <= 1.0:
+            chosen = candidate
+    log.info("prefill attention: %s", chosen.upper())
     return chosen
+
+
+def paged_applies(dtype: torch.dtype, kv_dtype: str | None) -> bool:
+    """Whether the "paged" kernel serves this model's chunks: a bf16 model over a bf16 cache (kernels/cpu_attention.py
+    paged_prefill_applies, the same rule at run time)."""
+    return dtype is torch.bfloat16 and kv_dtype == "bf16"
 
 
 def amx_applies(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -57,29 +75,47 @@ def amx_applies(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.d
     return amx_prefill_attention(q, kv, kv, 1.0) is not None
 
 
-def time_amx_over_sdpa(num_heads: int, num_kv_heads: int, head_dim: int, threads: int,
-                       clock: Clock = time.perf_counter, budget_s: float = PROBE_BUDGET_S) -> Comparison:
-    """time(AMX) / time(SDPA) of one chunk's attention per PROBE_LENGTHS on ``threads`` threads, leaving the kernel
-    choice and torch's thread count as it found them."""
+def time_kernels(a: str, b: str, num_heads: int, num_kv_heads: int, head_dim: int, threads: int,
+                 block_size: int = 16, clock: Clock = time.perf_counter,
+                 budget_s: float = PROBE_BUDGET_S) -> Comparison:
+    """time(b) / time(a) of one chunk's attention per PROBE_LENGTHS on ``threads`` threads, leaving the kernel choice
+    and torch's thread count as they were."""
     gen = torch.Generator().manual_seed(0)
     chunks = [torch.randn(length, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
               for length in PROBE_LENGTHS]
-
-    def case(kernel: str, qkv: torch.Tensor):
-        q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
-
-        def run() -> None:
-            set_prefill_kernel(kernel)
-            own_tokens_attention(q, k, v, head_dim ** -0.5)
-        return run
-
     before, before_threads = prefill_kernel(), torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        cases = [(case("sdpa", qkv), case("amx", qkv)) for qkv in chunks]
-        for sdpa, amx in cases:
-            sdpa(), amx()  # warm-up
+        cases = [(_chunk_work(a, qkv, num_heads, num_kv_heads, head_dim, block_size),
+                  _chunk_work(b, qkv, num_heads, num_kv_heads, head_dim, block_size)) for qkv in chunks]
+        for work_a, work_b in cases:
+            work_a(), work_b()  # warm-up
         return compare(cases, clock=clock, budget_s=budget_s)
     finally:
         set_prefill_kernel(before)
         torch.set_num_threads(before_threads)
+
+
+def _chunk_work(kernel: str, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                block_size: int) -> Callable[[], None]:
+    """One prompt's attention (qkv [L, Hq + 2 Hkv, D] bf16) as ``kernel`` serves it: the own-token pass of "sdpa" and
+    "amx"; for "paged", the cache kernel over a cache holding the prompt's K/V (the attention op writes them there
+    whatever the kernel), the prompt one causal segment."""
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    sm_scale = head_dim ** -0.5
+    if kernel != "paged":
+        def own_tokens() -> None:
+            set_prefill_kernel(kernel)
+            own_tokens_attention(q, k, v, sm_scale)
+        return own_tokens
+    length = q.shape[0]
+    blocks = -(-length // block_size)
+    data = torch.zeros(blocks + 1, block_size, 2 * num_kv_heads, head_dim, dtype=torch.bfloat16)
+    data[:blocks].view(-1, 2 * num_kv_heads, head_dim)[:length] = torch.cat([k, v], dim=1)
+    tables = torch.arange(blocks, dtype=torch.int64)[None]
+    segments = torch.tensor([[0], [0], [length], [0], [length], [1]], dtype=torch.int32)
+    arguments = step_arguments(tables, segments)  # raw pointers: tables and segments must outlive the closure
+
+    def paged(keep=(tables, segments)) -> None:
+        step_attention_bf16(q, data, None, arguments, sm_scale)
+    return paged

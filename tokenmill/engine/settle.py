@@ -21,8 +21,8 @@ What is settled, and how ``auto`` resolves:
   are quantized at every row count;
 - CPU decode attention's prefetch target: the next cache block asked into the L1 or only the L2, whichever the
   kernel ran faster at the model's head layout, timed here (engine/attention_prefetch.py);
-- CPU prefill attention over a chunk's own tokens: PyTorch's flash SDPA or the AMX tile kernel, whichever ran faster
-  at the model's head layout (engine/prefill_attention.py);
+- CPU prefill attention: PyTorch's flash SDPA over a chunk's own tokens, the AMX tile kernel, or the paged decode
+  kernel with causal segments, whichever ran fastest at the model's head layout (engine/prefill_attention.py);
 - execution: captured CUDA graphs (one GPU, Triton kernels), a compiled layer stack on a CPU, or eager;
 - drafting: the speculative method, checked against the checkpoint.
 """
@@ -88,7 +88,7 @@ class Settled:
     quant_layouts: QuantLayouts = ()
     # CPU decode attention's prefetch target (engine/attention_prefetch.py): "l1" | "l2".
     attention_prefetch: str = "l1"
-    # CPU prefill attention over a chunk's own tokens (engine/prefill_attention.py): "sdpa" | "amx".
+    # CPU prefill attention (engine/prefill_attention.py): "sdpa" | "amx" | "paged".
     prefill_attention: str = "sdpa"
 
     def __post_init__(self):  # a broadcast copy may arrive with lists for tuples
@@ -140,7 +140,7 @@ def settle(config: EngineConfig, model_config: ModelConfig, clock: Clock = time.
         prefill_attention=choose_prefill_attention(
             config.prefill_attention, device, backend, model_config.num_heads // size,
             0 if model_config.mla else model_config.num_kv_heads // size, model_config.head_dim, DTYPES[dtype],
-            threads or torch.get_num_threads(), clock))
+            threads or torch.get_num_threads(), clock, kv_dtype=kv_dtype, block_size=config.block_size))
     log.info("settled: %s", ", ".join(f"{k}={v}" for k, v in settled.to_dict().items()))
     return settled
 

@@ -6,10 +6,15 @@ else is widened to float32 a block at a time.
 
 Same contract as kernels/paged_attention.py's reference (shapes, null block, what each query sees):
 - a decode (one query) attends its whole sequence from the cache in one kernel segment;
-- a prefill chunk attends its cached prefix from the cache (a segment of all its queries, no mask needed: every
-  query sees the whole prefix) and its own tokens, unquantized from ``k_new``/``v_new``, causally, through
-  PyTorch's flash SDPA or, on a host with AMX, kernels/cpu/prefill_attention.c (whichever start-up timed faster);
-  the two partial softmaxes are merged by their log-sum-exps.
+- a prefill chunk attends its cached prefix and its own tokens, by one of three kernels (``set_prefill_kernel``,
+  whichever start-up timed fastest: engine/prefill_attention.py):
+  - "paged": the C kernel over the cache alone, in one causal segment per chunk (the attention op wrote the
+    chunk's K/V there first), with the step's decodes in the same call: no own-token pass and no merge. A cache
+    of the model's own dtype only (an fp8 cache would quantize the chunk's own keys, which the others read exact);
+  - "sdpa" / "amx": the prefix from the cache (a segment of all its queries, no mask needed: every query sees the
+    whole prefix) and the own tokens, unquantized from ``k_new``/``v_new``, causally, through PyTorch's flash SDPA
+    or, on a host with AMX, kernels/cpu/prefill_attention.c; the two partial softmaxes merged by their
+    log-sum-exps.
 
 Attention features (kernels/attention_features.py): a decode's window is where its segment starts in the cache,
 soft-capping is applied to every score in the kernel, and sinks scale the finished rows by ``sigmoid(lse - sink)``.
@@ -59,23 +64,24 @@ def cache_attention(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | 
     return out, lse
 
 
-def _step_arguments(tables: torch.Tensor, segments: torch.Tensor) -> tuple[int, ...]:
-    """The kernel's per-step arguments (block tables, the segments' five rows, their count), built once a step:
+def step_arguments(tables: torch.Tensor, segments: torch.Tensor) -> tuple[int, ...]:
+    """The kernel's per-step arguments (block tables, the segments' six rows, their count), built once a step:
     each tensor index or data_ptr() here costs microseconds, thirty layers a step."""
-    return (tables.data_ptr(), tables.stride(0), *(segments[i].data_ptr() for i in range(5)), segments.shape[1])
+    return (tables.data_ptr(), tables.stride(0), *(segments[i].data_ptr() for i in range(6)), segments.shape[1])
 
 
-def decode_attention_bf16(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
-                          step_arguments: tuple[int, ...], sm_scale: float, softcap: float = 0.0) -> torch.Tensor:
-    """A step of decodes only (the segments cover every row): bf16 q [N, Hq, D] (heads contiguous within a token)
-    -> bf16 out [N, Hq, D], the kernel widening and rounding itself (a bf16 model's every decode step)."""
+def step_attention_bf16(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
+                        arguments: tuple[int, ...], sm_scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """A step whose segments cover every row (decodes, and prefill chunks as causal segments): bf16 q [N, Hq, D]
+    (heads contiguous within a token) -> bf16 out [N, Hq, D], the kernel widening and rounding itself (a bf16
+    model's every decode step, and its prefill steps where the "paged" prefill kernel was settled)."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     num_tokens, hq, dim = q.shape
     out = torch.empty((num_tokens, hq, dim), dtype=torch.bfloat16)
     code = library().tm_paged_attention_bf16(
         q.data_ptr(), q.stride(0), out.data_ptr(), num_tokens, data.data_ptr(),
-        scales.data_ptr() if scales is not None else None, KINDS[data.dtype], *step_arguments, hq,
+        scales.data_ptr() if scales is not None else None, KINDS[data.dtype], *arguments, hq,
         data.shape[2] // 2, dim, data.shape[1], sm_scale, softcap, torch.get_num_threads())
     if code != 0:
         raise MemoryError("CPU paged attention: scratch allocation failed")
@@ -115,23 +121,28 @@ def prefetch_target() -> str:
     return "l2" if lib is not None and lib.tm_attention_prefetch() else "l1"
 
 
-def _segments(meta: AttentionMetadata, window: int, with_prefills: bool) -> torch.Tensor:
-    """[5, S] int32 (built once per step and window): every decode (from its window's start), and, when
-    ``with_prefills``, every prefill chunk with a cached prefix."""
+def _segments(meta: AttentionMetadata, window: int, with_prefills: bool, causal: bool = False) -> torch.Tensor:
+    """[6, S] int32 (built once per step and window): block-table row, first query row, query count, first cache
+    token seen, cache tokens (end), causal flag. Every decode (from its window's start), and, when
+    ``with_prefills``, every prefill chunk: with ``causal``, over its whole sequence as a causal segment (its own
+    tokens are in the cache); else over its cached prefix, where it has one."""
     rows, decodes = [], set(meta.decode_indices)
     for i in range(len(meta.seq_lens)):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         if i in decodes:
-            rows.append((i, start, 1, max(0, meta.seq_lens[i] - window) if window else 0, meta.seq_lens[i]))
+            rows.append((i, start, 1, max(0, meta.seq_lens[i] - window) if window else 0, meta.seq_lens[i], 0))
+        elif with_prefills and causal:
+            rows.append((i, start, end - start, 0, meta.seq_lens[i], 1))
         elif with_prefills and meta.seq_lens[i] > end - start:
-            rows.append((i, start, end - start, 0, meta.seq_lens[i] - (end - start)))
-    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 5).t().contiguous()
+            rows.append((i, start, end - start, 0, meta.seq_lens[i] - (end - start), 0))
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 6).t().contiguous()
 
 
-# The kernel of a prefill chunk's attention over its own tokens (own_tokens_attention), per process: "sdpa" (PyTorch's
-# CPU flash SDPA) or "amx" (kernels/cpu/prefill_attention.c, bf16 on AMX tiles); settled once at start-up by timing
-# both (engine/prefill_attention.py).
-PREFILL_KERNELS = ("sdpa", "amx")
+# The kernel of a prefill chunk's attention over its own tokens, per process: "sdpa" (PyTorch's CPU flash SDPA, through
+# own_tokens_attention), "amx" (kernels/cpu/prefill_attention.c, bf16 on AMX tiles) or "paged" (the paged kernel's
+# causal segments, the prefix with them: see the top of this file); settled once at start-up by timing them
+# (engine/prefill_attention.py).
+PREFILL_KERNELS = ("sdpa", "amx", "paged")
 _prefill_kernel = "sdpa"
 
 
@@ -199,17 +210,25 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     return (out_a * wa[..., None] + out_b * wb[..., None]) / (wa + wb)[..., None]
 
 
+def paged_prefill_applies(q_dtype: torch.dtype, data: torch.Tensor, scales: torch.Tensor | None) -> bool:
+    """Whether the "paged" prefill kernel serves chunks of this model and cache: bf16 queries over a bf16 cache."""
+    return q_dtype is torch.bfloat16 and data.dtype is torch.bfloat16 and scales is None
+
+
 def paged_attention_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
                         scales: torch.Tensor | None, meta: AttentionMetadata, sm_scale: float,
                         features: AttentionFeatures = PLAIN) -> torch.Tensor:
     plain = features.plain
-    segments = meta.derived(("cpu_segments", features.window, plain),
-                            lambda: _segments(meta, features.window, with_prefills=plain))
+    causal = bool(meta.prefill_indices) and plain and _prefill_kernel == "paged" and \
+        paged_prefill_applies(q.dtype, data, scales)
+    segments = meta.derived(("cpu_segments", features.window, plain, causal),
+                            lambda: _segments(meta, features.window, with_prefills=plain, causal=causal))
     tables = meta.derived("cpu_block_tables", lambda: meta.block_tables.long().contiguous())
-    if not meta.prefill_indices and features.sinks is None and q.dtype is torch.bfloat16 and segments.shape[1]:
-        arguments = meta.derived(("cpu_step_arguments", features.window, plain),
-                                 lambda: _step_arguments(tables, segments))
-        return decode_attention_bf16(q, data, scales, arguments, sm_scale, features.softcap)
+    if (causal or not meta.prefill_indices) and features.sinks is None and q.dtype is torch.bfloat16 \
+            and segments.shape[1]:
+        arguments = meta.derived(("cpu_step_arguments", features.window, plain, causal),
+                                 lambda: step_arguments(tables, segments))
+        return step_attention_bf16(q, data, scales, arguments, sm_scale, features.softcap)
     from_cache, lse = cache_attention(q, data, scales, tables, segments, sm_scale, features.softcap) \
         if segments.shape[1] else (None, None)
     if from_cache is not None and features.sinks is not None:  # only decodes are in the segments

@@ -7,9 +7,12 @@
 // fp8 caches carry scales[num_blocks + 1][block_size][2 * Hkv] (value = e4m3(code) * scale).
 // Work is split into segments: segment s is q_len[s] consecutive queries (rows q_start[s].. of q [N][Hq][D], float32)
 // of the request whose block-table row is req[s], each seeing tokens kv_first[s] .. kv_len[s] - 1 of that request's
-// cache (kv_first > 0: a sliding window's start).
-// A decode is a segment of one query over its whole sequence; a prefill chunk is a segment of its queries over its
-// cached prefix (its own tokens are attended elsewhere and merged through ``lse``).
+// cache (kv_first > 0: a sliding window's start). A causal segment (causal[s] = 1; causal NULL: none) narrows that
+// per query: its query j sees tokens kv_first[s] .. kv_len[s] - q_len[s] + j, i.e. a prefill chunk whose own tokens
+// are already in the cache attends its prefix and itself, causally, in one segment.
+// A decode is a segment of one query over its whole sequence; a prefill chunk is either a causal segment over its
+// whole sequence, or a segment of its queries over its cached prefix (its own tokens attended elsewhere and merged
+// through ``lse``).
 // softcap > 0 caps every scaled score to softcap * tanh(score / softcap) (attention logit soft-capping).
 // Output: out [N][Hq][D] float32 and lse [N][Hq] (natural log of the softmax denominator, scores scaled); a query
 // that sees no token gets out = 0, lse = -inf.
@@ -428,9 +431,9 @@ static inline void prefetch_slice(const char *cache, int64_t first, int tokens, 
 #ifdef HAVE_DPBF16
 // attend_tile's bf16 path over the cache codes: its rows (query, head, group member) with their bf16 codes qb, running
 // maxima m, denominators l and accumulators acc + r * padded_dim(D) (permuted while the walk lasts, in d order after).
-static void walk_bf16(const uint16_t *codes, const int64_t *blocks, int kv_lo, int kv_hi, int rows, int h0, int hc,
-                      int G, int Hkv, int D, int block_size, float sm_scale, float softcap, float *m, float *l,
-                      float *acc, const uint16_t *qb) {
+static void walk_bf16(const uint16_t *codes, const int64_t *blocks, int kv_lo, int kv_hi, const int *query_end,
+                      int rows, int h0, int hc, int G, int Hkv, int D, int block_size, float sm_scale, float softcap,
+                      float *m, float *l, float *acc, const uint16_t *qb) {
     const int slots = 2 * Hkv, run = hc * D * 2;  // run: bytes of one token's K (or V) heads of this tile
     const int64_t stride = (int64_t)slots * D;  // elements from one token's row to the next
     uint16_t pb[TILE_ROWS * SUB];
@@ -447,25 +450,31 @@ static void walk_bf16(const uint16_t *codes, const int64_t *blocks, int kv_lo, i
         for (int sub = 0; sub < count; sub += SUB) {
             const int n = count - sub < SUB ? count - sub : SUB;
             const uint16_t *tokens = first + sub * stride;
+            const int position = start + skip + sub;  // of tokens[0] in the sequence
             // The G rows of one query over one KV head: their scores, then their softmaxes (each a chain of dependent
-            // steps: side by side, a core overlaps the rows'), then P V for all G at once.
+            // steps: side by side, a core overlaps the rows'), then P V for all G at once. ``live`` of the n tokens
+            // are the query's to see (fewer only for a causal segment's queries; none: its rows are left as they are).
             for (int g0 = 0; g0 < rows; g0 += G) {
                 const int kh = h0 + (g0 / G) % hc;
                 const uint16_t *k = tokens + (int64_t)kh * D, *v = tokens + (int64_t)(Hkv + kh) * D;
+                const int seen = query_end ? query_end[g0 / (hc * G)] - position : n;
+                const int live = seen < n ? (seen > 0 ? seen : 0) : n;
                 for (int r = g0; r < g0 + G; r++) {
                     if (has_next && sub == 0)
                         prefetch_slice((const char *)codes, next, block_size, slots, h0, Hkv, D, 2, run, r, rows);
+                    if (!live) continue;
                     const uint16_t *qr = qb + (int64_t)r * D;
                     if (D == 64)
-                        row_scores[r] = scores16(qr, k, n, stride, 64);
+                        row_scores[r] = scores16(qr, k, live, stride, 64);
                     else if (D == 128)
-                        row_scores[r] = scores16(qr, k, n, stride, 128);
+                        row_scores[r] = scores16(qr, k, live, stride, 128);
                     else
-                        row_scores[r] = scores16(qr, k, n, stride, D);
+                        row_scores[r] = scores16(qr, k, live, stride, D);
                 }
+                if (!live) continue;
                 for (int r = g0; r < g0 + G; r++)
-                    correction[r] = softmax16(row_scores[r], n, sm_scale, softcap, m + r, l + r, pb + r * SUB);
-                pv_group(arow + g0, correction + g0, pb + g0 * SUB, v, n, stride, D, G);
+                    correction[r] = softmax16(row_scores[r], live, sm_scale, softcap, m + r, l + r, pb + r * SUB);
+                pv_group(arow + g0, correction + g0, pb + g0 * SUB, v, live, stride, D, G);
             }
         }
     }
@@ -483,11 +492,13 @@ static inline int64_t tile_row(int r, int q_first, int h0, int hc, int G, int Hq
     return (int64_t)(q_first + qi) * Hq + (h0 + hh) * G + g;
 }
 
-// KV heads h0 .. h0 + hc - 1 of one tile of queries over tokens kv_lo .. kv_hi - 1 of a request's cache. With
-// ``part`` NULL the finished rows go to out / lse; else the unnormalized state of each row r goes to
-// part + r * (D + 2): m, l, then the D accumulators (merged with the other parts' by merge_parts).
+// KV heads h0 .. h0 + hc - 1 of one tile of queries over tokens kv_lo .. kv_hi - 1 of a request's cache, query qi
+// seeing only those below query_end[qi] (NULL: all). With ``part`` NULL the finished rows go to out / lse; else the
+// unnormalized state of each row r goes to part + r * (D + 2): m, l, then the D accumulators (merged with the other
+// parts' by merge_parts).
 static void attend_tile(const float *q, float *out, float *lse, float *part, const void *cache, const float *scales,
-                        int kind, const int64_t *blocks, int kv_lo, int kv_hi, int q_first, int q_count, int h0,
+                        int kind, const int64_t *blocks, int kv_lo, int kv_hi, const int *query_end, int q_first,
+                        int q_count, int h0,
                         int hc, int Hq, int Hkv, int D, int block_size, float sm_scale, float softcap, int bf16_path,
                         float *kbuf, float *vbuf, float *acc, float *scores, uint16_t *qb) {
     const int G = Hq / Hkv, rows = q_count * hc * G, slots = 2 * Hkv, adim = padded_dim(D);
@@ -505,8 +516,8 @@ static void attend_tile(const float *q, float *out, float *lse, float *part, con
     if (bf16_path) {
         for (int r = 0; r < rows; r++)  // the rows' bf16 codes (exact: their values are bf16)
             for (int d = 0; d < D; d++) qb[(int64_t)r * D + d] = bf16_round(qrow[r][d]);
-        walk_bf16((const uint16_t *)cache, blocks, kv_lo, kv_hi, rows, h0, hc, G, Hkv, D, block_size, sm_scale,
-                  softcap, m, l, acc, qb);
+        walk_bf16((const uint16_t *)cache, blocks, kv_lo, kv_hi, query_end, rows, h0, hc, G, Hkv, D, block_size,
+                  sm_scale, softcap, m, l, acc, qb);
     } else
 #endif
     for (int start = kv_lo - kv_lo % block_size; start < kv_hi; start += block_size) {
@@ -532,14 +543,17 @@ static void attend_tile(const float *q, float *out, float *lse, float *part, con
             if (has_next)
                 prefetch_slice((const char *)cache, next, block_size, slots, h0, Hkv, D, elem, width * elem, r, rows);
             const int hh = (r / G) % hc;
+            const int seen = query_end ? query_end[r / (hc * G)] - (start + skip) : n;
+            const int live = seen < n ? seen : n;  // of this block's tokens, those row r's query sees
+            if (live <= 0) continue;
             float *a = acc + (int64_t)r * adim;
             const float *k = kbuf + hh * D, *v = vbuf + hh * D;
             if (D == 64)
-                row_over_block(qrow[r], a, k, v, n, width, 64, sm_scale, softcap, m + r, l + r, scores);
+                row_over_block(qrow[r], a, k, v, live, width, 64, sm_scale, softcap, m + r, l + r, scores);
             else if (D == 128)
-                row_over_block(qrow[r], a, k, v, n, width, 128, sm_scale, softcap, m + r, l + r, scores);
+                row_over_block(qrow[r], a, k, v, live, width, 128, sm_scale, softcap, m + r, l + r, scores);
             else
-                row_over_block(qrow[r], a, k, v, n, width, D, sm_scale, softcap, m + r, l + r, scores);
+                row_over_block(qrow[r], a, k, v, live, width, D, sm_scale, softcap, m + r, l + r, scores);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -587,11 +601,13 @@ static void merge_parts(const float *state, int parts, int rows, float *out, flo
 
 #define MIN_PART_BLOCKS 8  // a segment is split into parts of at least this many cache blocks
 
-// Returns 0, or -1 when scratch memory could not be allocated (then some rows are left unwritten).
-int tm_paged_attention(const float *q, float *out, float *lse, const void *cache, const float *scales, int kind,
-                       const int64_t *block_tables, int64_t table_stride, const int32_t *req, const int32_t *q_start,
-                       const int32_t *q_len, const int32_t *kv_first, const int32_t *kv_len, int num_segments, int Hq,
-                       int Hkv, int D, int block_size, float sm_scale, float softcap, int q_bf16, int threads) {
+// Returns 0, or -1 when scratch memory could not be allocated (then some rows are left unwritten). causal: per
+// segment, 1 where it is causal (see the top of this file), or NULL where none is.
+static int attention(const float *q, float *out, float *lse, const void *cache, const float *scales, int kind,
+                     const int64_t *block_tables, int64_t table_stride, const int32_t *req, const int32_t *q_start,
+                     const int32_t *q_len, const int32_t *kv_first, const int32_t *kv_len, const int32_t *causal,
+                     int num_segments, int Hq, int Hkv, int D, int block_size, float sm_scale, float softcap,
+                     int q_bf16, int threads) {
     const int G = Hq / Hkv;
 #ifdef HAVE_DPBF16
     const int bf16_path = kind == KIND_BF16 && !scales && q_bf16 && D % 16 == 0;
@@ -663,6 +679,11 @@ int tm_paged_attention(const float *q, float *out, float *lse, const void *cache
             const int q0 = tile * tile_queries;
             const int count = q_len[s] - q0 < tile_queries ? q_len[s] - q0 : tile_queries;
             int lo = kv_first[s], hi = kv_len[s];
+            int ends[TILE_ROWS];  // a causal segment's queries: where each one's tokens end
+            const int is_causal = causal && causal[s];
+            if (is_causal) {
+                for (int qi = 0; qi < count; qi++) ends[qi] = kv_len[s] - q_len[s] + q0 + qi + 1;
+            }
             float *state_out = NULL;
             if (parts[s] > 1) {  // whole blocks: part p takes blocks [b0 + p * nb / parts, b0 + (p + 1) * nb / parts)
                 const int b0 = kv_first[s] / block_size, nb = (kv_len[s] - 1) / block_size - b0 + 1;
@@ -672,10 +693,11 @@ int tm_paged_attention(const float *q, float *out, float *lse, const void *cache
                 hi = to < hi ? to : hi;
                 state_out = state + state_at[s] + local * (int64_t)TILE_ROWS * (D + 2);
             }
+            if (is_causal && ends[count - 1] < hi) hi = ends[count - 1];  // no query of the tile sees further
             float *kbuf = scratch, *vbuf = kbuf + block_size * width, *acc = vbuf + block_size * width;
             attend_tile(q, out, lse, state_out, cache, scales, kind, block_tables + (int64_t)req[s] * table_stride, lo,
-                        hi, q_start[s] + q0, count, h0, hc, Hq, Hkv, D, block_size, sm_scale, softcap, bf16_path,
-                        kbuf, vbuf, acc, acc + accs, (uint16_t *)(scratch + floats));
+                        hi, is_causal ? ends : NULL, q_start[s] + q0, count, h0, hc, Hq, Hkv, D, block_size, sm_scale,
+                        softcap, bf16_path, kbuf, vbuf, acc, acc + accs, (uint16_t *)(scratch + floats));
         }
         if (states) {  // the split segments' tiles, each merged from its parts (after the loop's barrier)
 #pragma omp for schedule(dynamic, 1)
@@ -698,6 +720,14 @@ int tm_paged_attention(const float *q, float *out, float *lse, const void *cache
     return failed ? -1 : 0;
 }
 
+int tm_paged_attention(const float *q, float *out, float *lse, const void *cache, const float *scales, int kind,
+                       const int64_t *block_tables, int64_t table_stride, const int32_t *req, const int32_t *q_start,
+                       const int32_t *q_len, const int32_t *kv_first, const int32_t *kv_len, int num_segments, int Hq,
+                       int Hkv, int D, int block_size, float sm_scale, float softcap, int q_bf16, int threads) {
+    return attention(q, out, lse, cache, scales, kind, block_tables, table_stride, req, q_start, q_len, kv_first,
+                     kv_len, NULL, num_segments, Hq, Hkv, D, block_size, sm_scale, softcap, q_bf16, threads);
+}
+
 // bf16 [n] -> float32 (exact). (Here, not in quant_linear.c: benchmarks/attention_revisions.py builds this file
 // alone.)
 void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n) {
@@ -718,23 +748,24 @@ void tm_round_bf16(const float *src, uint16_t *dst, int64_t n) {
 }
 
 
-// tm_paged_attention over bf16 queries (row t's [Hq][D] at q + t * q_stride) into bf16 out [rows][Hq][D] (no lse):
-// a bf16 model's decode step, where the segments cover every row, with no conversion of its own. Other arguments as
-// there; the same returns.
+// tm_paged_attention over bf16 queries (row t's [Hq][D] at q + t * q_stride) into bf16 out [rows][Hq][D] (no lse),
+// with causal segments (causal: per segment, or NULL): a bf16 model's step whose segments cover every row (decodes,
+// and prefill chunks whose own tokens are in the cache), with no conversion of its own. Other arguments as there;
+// the same returns.
 int tm_paged_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t rows, const void *cache,
                             const float *scales,
                             int kind, const int64_t *block_tables, int64_t table_stride, const int32_t *req,
                             const int32_t *q_start, const int32_t *q_len, const int32_t *kv_first,
-                            const int32_t *kv_len, int num_segments, int Hq, int Hkv, int D, int block_size,
-                            float sm_scale, float softcap, int threads) {
+                            const int32_t *kv_len, const int32_t *causal, int num_segments, int Hq, int Hkv, int D,
+                            int block_size, float sm_scale, float softcap, int threads) {
     const int64_t width = (int64_t)Hq * D, n = rows * width;
     float *buffer = malloc(sizeof(float) * (size_t)(2 * n));
     if (!buffer) return -1;
     memset(buffer + n, 0, sizeof(float) * (size_t)n);  // rows no segment covers come out zero, not garbage
     for (int64_t t = 0; t < rows; t++) tm_widen_bf16(q + t * q_stride, buffer + t * width, width);
-    const int code = tm_paged_attention(buffer, buffer + n, NULL, cache, scales, kind, block_tables, table_stride,
-                                        req, q_start, q_len, kv_first, kv_len, num_segments, Hq, Hkv, D, block_size,
-                                        sm_scale, softcap, 1, threads);
+    const int code = attention(buffer, buffer + n, NULL, cache, scales, kind, block_tables, table_stride, req, q_start,
+                               q_len, kv_first, kv_len, causal, num_segments, Hq, Hkv, D, block_size, sm_scale, softcap,
+                               1, threads);
     if (code == 0) tm_round_bf16(buffer + n, out, n);
     free(buffer);
     return code;
