@@ -1,14 +1,16 @@
 """Time to first token of one long prompt on the offline engine, and where the prefill's time goes.
 
-    python benchmarks/prefill.py [--prompt-len 2000] [--repeats 3] [--dtype auto] [--settings sdpa,amx]
+    python benchmarks/prefill.py [--prompt-len 2000] [--batch 1] [--repeats 3] [--dtype auto] [--settings sdpa,amx]
         [--out benchmarks/results/prefill.json]
 
-For each setting of the own-token prefill attention (``sdpa``: PyTorch's flash SDPA; ``amx``: the AMX tile kernel of
-kernels/cpu/prefill_attention.c, where the host has AMX and the model is bf16; ``math``: SDPA forced onto its unfused
-fallback, what tokenmill ran before flash) it times ``repeats`` prefills of a random prompt of exactly
-``--prompt-len`` tokens (one output token, so the time is the prefill plus one sample) on the default model, in one
-run, alternating the settings, then takes one torch profile per setting: the seconds in attention (the engine's
-attention op, inclusive) and in matrix products. Writes JSON (the raw timings and profile totals) to ``--out``.
+For each setting of the prefill attention (``sdpa``: PyTorch's flash SDPA over the own tokens; ``amx``: the AMX tile
+kernel of kernels/cpu/prefill_attention.c, where the host has AMX and the model is bf16; ``paged``: the cache kernel
+with each chunk a causal segment, a bf16 model over a bf16 cache; ``math``: SDPA forced onto its unfused fallback,
+what tokenmill ran before flash) it times ``repeats`` prefills of ``--batch`` random prompts of exactly
+``--prompt-len`` tokens each, in one step where the token budget allows (one output token, so the time is the
+prefill plus one sample) on the default model, in one run, alternating the settings, then takes one torch profile
+per setting: the seconds in attention (the engine's attention op, inclusive) and in matrix products. Writes JSON
+(the raw timings and profile totals) to ``--out``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.cpu_attention import set_prefill_kernel
 
 # setting -> (own-token kernel, SDPA backends forced or None)
-SETTINGS = {"sdpa": ("sdpa", None), "amx": ("amx", None), "math": ("sdpa", [SDPBackend.MATH])}
+SETTINGS = {"sdpa": ("sdpa", None), "amx": ("amx", None), "paged": ("paged", None),
+            "math": ("sdpa", [SDPBackend.MATH])}
 # Inclusive times; the engine's own ops (attention and the CPU linear layers, kernels/attention_op.py and
 # kernels/cpu_linear.py) hold the aten calls where they are present.
 ATTENTION_OPS = ("tokenmill::gqa_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -37,22 +40,22 @@ ATTENTION_OPS = ("tokenmill::gqa_attention", "aten::_scaled_dot_product_flash_at
 GEMM_OPS = ("tokenmill::cpu_linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")
 
 
-def _prefill(llm: LLM, prompt: list[int], setting: str) -> float:
+def _prefill(llm: LLM, prompts: list[list[int]], setting: str) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     kernel, backends = SETTINGS[setting]
     set_prefill_kernel(kernel)
     start = time.perf_counter()
     if backends is None:
-        llm.generate([prompt], params)
+        llm.generate(prompts, params)
     else:
         with sdpa_kernel(backends):
-            llm.generate([prompt], params)
+            llm.generate(prompts, params)
     return time.perf_counter() - start
 
 
-def _profile(llm: LLM, prompt: list[int], setting: str) -> dict[str, float]:
+def _profile(llm: LLM, prompts: list[list[int]], setting: str) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        total = _prefill(llm, prompt, setting)
+        total = _prefill(llm, prompts, setting)
     own = {name: 0.0 for name in ATTENTION_OPS + GEMM_OPS}
     for event in prof.key_averages():
         if event.key in own:
@@ -65,6 +68,7 @@ def _profile(llm: LLM, prompt: list[int], setting: str) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-len", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=1, help="prompts prefilled together")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="auto", help="the engine's compute dtype (auto: measured at start-up)")
     parser.add_argument("--settings", default="sdpa,amx", help=f"comma-separated, of {', '.join(SETTINGS)}")
@@ -78,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     # No prefix caching: each setting prefills the same prompts, which would otherwise hit the cache.
     llm = LLM(max_model_len=max(2048, args.prompt_len + 8), dtype=args.dtype, enable_prefix_caching=False)
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, llm.tokenizer.vocab_size, (args.repeats + 2, args.prompt_len), generator=gen).tolist()
+    prompts = torch.randint(100, llm.tokenizer.vocab_size, (args.repeats + 2, args.batch, args.prompt_len),
+                            generator=gen).tolist()
     for setting in settings:
-        _prefill(llm, prompts[-1][:64], setting)  # warm-up
+        _prefill(llm, [p[:64] for p in prompts[-1]], setting)  # warm-up
     times: dict[str, list[float]] = {s: [] for s in settings}
     for i in range(args.repeats):
         for setting in settings if i % 2 == 0 else settings[::-1]:
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python benchmarks/prefill.py", *argv]),
         "dtype": str(llm.engine.runner.model.embed_tokens.weight.dtype),
         "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
-        "torch_threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
+        "torch_threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "batch": args.batch,
         "seconds": times, "median_seconds": {s: statistics.median(t) for s, t in times.items()},
         "profiles": profiles,
     }
