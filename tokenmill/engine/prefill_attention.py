@@ -51,8 +51,8 @@ def choose_prefill_attention(mode: str, device: str, backend: str, num_heads: in
         comparison = time_kernels(chosen, candidate, num_heads, num_kv_heads, head_dim, threads, block_size,
                                   clock=clock)
         if comparison.ratio is None:
-            log.warning("prefill attention: %s over %s, since the machine is too noisy to tell (%s)", chosen.upper(),
-                        candidate.upper(), comparison.describe())
+            log.warning("prefill attention: keeping %s over %s, since the machine is too noisy to tell (%s)",
+                        chosen.upper(), candidate.upper(), comparison.describe())
             continue
         log.info("prefill attention: %s's time / %s's: %s", candidate.upper(), chosen.upper(), comparison.describe())
         if comparison.ratio * MIN_SPEEDUP <= 1.0:

@@ -9,8 +9,8 @@ Same contract as kernels/paged_attention.py's reference (shapes, null block, wha
 - a prefill chunk attends its cached prefix and its own tokens, by one of three kernels (``set_prefill_kernel``,
   whichever start-up timed fastest: engine/prefill_attention.py):
   - "paged": the C kernel over the cache alone, in one causal segment per chunk (the attention op wrote the
-    chunk's K/V there first), with the step's decodes in the same call: no own-token pass and no merge. A cache
-    of the model's own dtype only (an fp8 cache would quantize the chunk's own keys, which the others read exact);
+    chunk's K/V there first), with the step's decodes in the same call: no own-token pass and no merge. A bf16
+    model over a bf16 cache only (an fp8 cache would quantize the chunk's own keys, which the others read exact);
   - "sdpa" / "amx": the prefix from the cache (a segment of all its queries, no mask needed: every query sees the
     whole prefix) and the own tokens, unquantized from ``k_new``/``v_new``, causally, through PyTorch's flash SDPA
     or, on a host with AMX, kernels/cpu/prefill_attention.c; the two partial softmaxes merged by their
@@ -138,7 +138,7 @@ def _segments(meta: AttentionMetadata, window: int, with_prefills: bool, causal:
     return torch.tensor(rows, dtype=torch.int32).reshape(-1, 6).t().contiguous()
 
 
-# The kernel of a prefill chunk's attention over its own tokens, per process: "sdpa" (PyTorch's CPU flash SDPA, through
+# The kernel of a prefill chunk's attention, per process: "sdpa" (PyTorch's CPU flash SDPA over its own tokens, through
 # own_tokens_attention), "amx" (kernels/cpu/prefill_attention.c, bf16 on AMX tiles) or "paged" (the paged kernel's
 # causal segments, the prefix with them: see the top of this file); settled once at start-up by timing them
 # (engine/prefill_attention.py).

@@ -498,9 +498,9 @@ static inline int64_t tile_row(int r, int q_first, int h0, int hc, int G, int Hq
 // parts' by merge_parts).
 static void attend_tile(const float *q, float *out, float *lse, float *part, const void *cache, const float *scales,
                         int kind, const int64_t *blocks, int kv_lo, int kv_hi, const int *query_end, int q_first,
-                        int q_count, int h0,
-                        int hc, int Hq, int Hkv, int D, int block_size, float sm_scale, float softcap, int bf16_path,
-                        float *kbuf, float *vbuf, float *acc, float *scores, uint16_t *qb) {
+                        int q_count, int h0, int hc, int Hq, int Hkv, int D, int block_size, float sm_scale,
+                        float softcap, int bf16_path, float *kbuf, float *vbuf, float *acc, float *scores,
+                        uint16_t *qb) {
     const int G = Hq / Hkv, rows = q_count * hc * G, slots = 2 * Hkv, adim = padded_dim(D);
     float m[TILE_ROWS], l[TILE_ROWS];
     const float *qrow[TILE_ROWS];
