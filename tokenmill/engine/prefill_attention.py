@@ -16,8 +16,9 @@ import torch
 
 from tokenmill.config import ConfigError
 from tokenmill.engine.probe import Clock, Comparison, compare
-from tokenmill.kernels.cpu_attention import amx_prefill_attention, own_tokens_attention, prefill_kernel, \
-    set_prefill_kernel, step_arguments, step_attention_bf16
+from tokenmill.kernels.cpu_attention import amx_prefill_attention, own_tokens_attention, paged_prefill_applies, \
+    prefill_kernel, set_prefill_kernel, step_arguments, step_attention_bf16
+from tokenmill.kvcache.cache import STORAGE_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def choose_prefill_attention(mode: str, device: str, backend: str, num_heads: in
     ``block_size`` are the cache's."""
     cpu = device == "cpu" and backend == "cpu" and num_kv_heads > 0
     candidates = {"amx": cpu and amx_applies(num_heads, num_kv_heads, head_dim, dtype),
-                  "paged": cpu and paged_applies(dtype, kv_dtype)}
+                  "paged": cpu and paged_prefill_applies(dtype, STORAGE_DTYPES.get(kv_dtype))}
     if mode == "amx" and not candidates["amx"]:
         raise ConfigError("--prefill-attention amx needs a CPU with AMX, the C kernels (kernel_backend cpu), a bf16 "
                           "model with a head size that is a multiple of 32, and no MLA")
@@ -59,12 +60,6 @@ def choose_prefill_attention(mode: str, device: str, backend: str, num_heads: in
             chosen = candidate
     log.info("prefill attention: %s", chosen.upper())
     return chosen
-
-
-def paged_applies(dtype: torch.dtype, kv_dtype: str | None) -> bool:
-    """Whether the "paged" kernel serves this model's chunks: a bf16 model over a bf16 cache (kernels/cpu_attention.py
-    paged_prefill_applies, the same rule at run time)."""
-    return dtype is torch.bfloat16 and kv_dtype == "bf16"
 
 
 def amx_applies(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:

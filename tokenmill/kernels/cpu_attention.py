@@ -210,9 +210,10 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     return (out_a * wa[..., None] + out_b * wb[..., None]) / (wa + wb)[..., None]
 
 
-def paged_prefill_applies(q_dtype: torch.dtype, data: torch.Tensor, scales: torch.Tensor | None) -> bool:
-    """Whether the "paged" prefill kernel serves chunks of this model and cache: bf16 queries over a bf16 cache."""
-    return q_dtype is torch.bfloat16 and data.dtype is torch.bfloat16 and scales is None
+def paged_prefill_applies(q_dtype: torch.dtype, cache_dtype: torch.dtype | None) -> bool:
+    """Whether the "paged" prefill kernel serves chunks of this model and cache: bf16 queries over a bf16 cache (one
+    that carries no scales: only fp8 caches do). Start-up (engine/prefill_attention.py) and every step ask this."""
+    return q_dtype is torch.bfloat16 and cache_dtype is torch.bfloat16
 
 
 def paged_attention_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
@@ -220,7 +221,7 @@ def paged_attention_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
                         features: AttentionFeatures = PLAIN) -> torch.Tensor:
     plain = features.plain
     causal = bool(meta.prefill_indices) and plain and _prefill_kernel == "paged" and \
-        paged_prefill_applies(q.dtype, data, scales)
+        paged_prefill_applies(q.dtype, data.dtype)
     segments = meta.derived(("cpu_segments", features.window, plain, causal),
                             lambda: _segments(meta, features.window, with_prefills=plain, causal=causal))
     tables = meta.derived("cpu_block_tables", lambda: meta.block_tables.long().contiguous())
