@@ -4,12 +4,13 @@ Each revision's kernel source is taken with ``git show REV:tokenmill/kernels/cpu
 the file as it is now), built with kernels/cpu_native.py's compiler flags into its own library, and timed on the same
 inputs in turn (rounds alternate the revisions; the best of ``--repeats`` per round, the best round kept), so the
 ratio holds on a noisy machine where two runs an hour apart would not. The inputs are benchmarks/decode_attention.py's
-(SmolLM2's heads: a bf16 model's bf16 queries over a bf16 cache, ``--batch`` requests of ``--context`` tokens on
+(SmolLM2's heads: a bf16 model's bf16 queries over a bf16 cache, or ``--kv-dtype fp8`` an fp8 one, ``--batch`` requests of ``--context`` tokens on
 permuted blocks of 16), each call a model layer's whole decode batch, through the same ctypes call the engine makes.
 Two cases per revision: ``warm`` (one layer's cache, again and again: the kernel's own work) and ``memory`` (each
 call the next of ``--layers`` caches, as a model's layers are: the cache comes from memory).
 
     python benchmarks/attention_revisions.py --before HEAD~1 [--after worktree] [--batch 1,16,32] [--context 290]
+        [--kv-dtype bf16|fp8]
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ def build(revision: str, workdir: Path) -> ctypes.CDLL:
     return lib
 
 
-def attend(lib: ctypes.CDLL, q: torch.Tensor, data: torch.Tensor, tables: torch.Tensor, segments: torch.Tensor
-           ) -> torch.Tensor:
+def attend(lib: ctypes.CDLL, q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, tables: torch.Tensor,
+           segments: torch.Tensor) -> torch.Tensor:
     """kernels/cpu_attention.cache_attention's call, on this library (bf16 queries, no softcap)."""
     q32 = q.float().contiguous()
     out, lse = torch.empty_like(q32), torch.empty(q32.shape[:2])
     code = lib.tm_paged_attention(
-        q32.data_ptr(), out.data_ptr(), lse.data_ptr(), data.data_ptr(), None, KINDS[data.dtype], tables.data_ptr(),
+        q32.data_ptr(), out.data_ptr(), lse.data_ptr(), data.data_ptr(),
+        scales.data_ptr() if scales is not None else None, KINDS[data.dtype], tables.data_ptr(),
         tables.stride(0), *(segments[i].data_ptr() for i in range(5)), segments.shape[1], q32.shape[1],
         data.shape[2] // 2, q32.shape[2], data.shape[1], q32.shape[2] ** -0.5, 0.0, int(q.dtype == torch.bfloat16),
         torch.get_num_threads())
@@ -73,6 +75,7 @@ def main() -> None:
     parser.add_argument("--batch", default="1,16,32")
     parser.add_argument("--context", type=int, default=290)
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefetch-target", choices=("l1", "l2"), default="l2")
     parser.add_argument("--rounds", type=int, default=5)
@@ -88,8 +91,8 @@ def main() -> None:
         for batch in (int(b) for b in args.batch.split(",")):
             layers = []
             for _ in range(args.layers):
-                q, data, _, meta = decode_inputs(batch, args.context, "bf16", torch.bfloat16)
-                layers.append((q, data, meta.block_tables.long().contiguous(), _segments(meta, 0, True)))
+                q, data, scales, meta = decode_inputs(batch, args.context, args.kv_dtype, torch.bfloat16)
+                layers.append((q, data, scales, meta.block_tables.long().contiguous(), _segments(meta, 0, True)))
             first = {rev: attend(lib, *layers[0]) for rev, lib in libs.items()}
             gap = (first[args.after] - first[args.before]).abs().max().item()
             best = {}

@@ -124,6 +124,38 @@ def test_bf16_queries_over_a_bf16_cache(d, hq, hkv, block_size):
     torch.testing.assert_close(lse[rows], exact_lse[rows], atol=2e-3, rtol=0)
 
 
+@pytest.mark.parametrize("d", [16, 48, 64, 80, 128])
+@pytest.mark.parametrize("hq,hkv,block_size", [(9, 3, 16), (4, 4, 3), (8, 2, 1), (6, 1, 32), (20, 2, 16)])
+def test_bf16_queries_over_an_fp8_cache(d, hq, hkv, block_size):
+    """A bf16 model over an fp8 cache: on a host with AVX512-BF16 and AVX512-VBMI the bf16 path over codes turned
+    into bf16 by byte lookups (head sizes that end in part of a 64-code step: 16, 48, 80), else the widening one. Against
+    the float32 widening path with the same queries in float32 (exact products of code * scale): only the rounding of
+    each probability times its token's V scale to bf16, and of the probabilities the denominator sums, separate them,
+    so a row differs by at most 2 * 2^-9 * max|V| (V = code * scale); the log-sum-exp by about 2^-9."""
+    batch = paged_batch(SHAPES + [(44, 1), (17, 1)], hq, hkv, d, "fp8", block_size, num_blocks=1024,
+                        q_dtype=torch.bfloat16, seed=d + block_size)
+    got, want = attention_both_ways(batch, hkv, d)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1.6e-2, rtol=1.6e-2)
+    segments = cpu_attention._segments(batch.meta, 0, with_prefills=True)
+    rows = torch.cat([torch.arange(start, start + count) for start, count in segments[1:3].t().tolist()])
+    tables = batch.meta.block_tables.long().contiguous()
+    out, lse = cpu_attention.cache_attention(batch.q, batch.data, batch.scales, tables, segments, d ** -0.5)
+    exact_out, exact_lse = cpu_attention.cache_attention(batch.q.float(), batch.data, batch.scales, tables, segments,
+                                                         d ** -0.5)
+    values = batch.data[:, :, hkv:].float() * batch.scales[:, :, hkv:, None]
+    bound = 2 * 2 ** -9 * values.nan_to_num(0.0).abs().max().item()
+    torch.testing.assert_close(out[rows], exact_out[rows], atol=bound, rtol=0)
+    torch.testing.assert_close(lse[rows], exact_lse[rows], atol=2e-3, rtol=0)
+
+
+def test_the_fp8_path_is_built_where_the_cpu_has_avx512_bf16_and_vbmi(monkeypatch):
+    monkeypatch.delenv(cpu_native.EXTRA_FLAGS_ENV, raising=False)  # the host's own build, as a server makes it
+    flags = cpu_native.cpu_identity().split()
+    assert cpu_native.library().tm_attention_fp8_path() == int(all(
+        f in flags for f in ("avx512_bf16", "avx512bw", "avx512vl", "avx512vbmi")))
+
+
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (20, 2.5)])
 def test_a_decode_step_in_bf16_rounds_the_float32_result(kv_dtype, window, softcap):

@@ -1,8 +1,9 @@
 """Paged attention on a CPU without a gather: the C kernel of kernels/cpu/paged_attention.c walks each request's
 block table in place (per request, per KV head, online softmax over blocks), for every cache dtype (fp32, bf16,
 fp16, fp8 with its scales). A bf16 model's queries over a bf16 cache take the kernel's bf16 path where the build has
-AVX512-BF16 (K and V read as bf16, products summed in float32, probabilities rounded to bf16 for P V); everything
-else is widened to float32 a block at a time.
+AVX512-BF16 (K and V read as bf16, products summed in float32, probabilities rounded to bf16 for P V), and so do its
+queries over an fp8 cache where the build has AVX512-VBMI too (the codes turned into bf16 by byte lookups, exactly, the
+scales applied to scores and probabilities); everything else is widened to float32 a block at a time.
 
 Same contract as kernels/paged_attention.py's reference (shapes, null block, what each query sees):
 - a decode (one query) attends its whole sequence from the cache in one kernel segment;

@@ -22,7 +22,9 @@
 // long decode) -> segments are split along their cache into parts whose softmax states are merged at the end
 // (split-K, as flash decoding does).
 // Where the build has AVX512-BF16 a bf16 cache under bf16 queries (q_bf16: the float32 rows hold bf16 values) skips
-// the widening: the bf16 path below (walk_bf16) reads K and V in place, the G query rows of a KV head together.
+// the widening: the bf16 path below (walk_bf16) reads K and V in place, the G query rows of a KV head together. With
+// AVX512-VBMI too, an fp8 cache under bf16 queries takes the same path (walk_fp8): its codes become bf16 by two byte
+// lookups, 16 tokens of a head at a time, and its scales multiply the scores (K) and the probabilities (V).
 
 #include <math.h>
 #include <stdint.h>
@@ -44,6 +46,10 @@ enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_F16 = 2, KIND_FP8 = 3 };
 static inline int padded_dim(int D) { return (D + 31) / 32 * 32; }
 
 static float fp8_table[256];
+
+// e4m3fn magnitude codes (7 bits) -> the high and low bytes of their values' bf16 (exact: 4 significant bits), for
+// the fp8 path's byte lookups (fp8_rows_bf16); the NaN code reads 0, as fp8_table has it.
+static uint8_t fp8_bf16_hi[128] __attribute__((aligned(64))), fp8_bf16_lo[128] __attribute__((aligned(64)));
 
 static float e4m3_value(int code) {
     int sign = code & 0x80, exponent = (code >> 3) & 0xF, mantissa = code & 0x7;
@@ -72,8 +78,18 @@ int tm_attention_bf16_dot(void) {
 #endif
 }
 
+// 1 where this build converts an fp8 cache's codes to bf16 in registers (AVX512-BF16 and AVX512-VBMI): what a bf16
+// model's attention over an fp8 cache runs here (else the float32 widening path). Defined after the path's code.
+int tm_attention_fp8_path(void);
+
 void tm_init(void) {
     for (int i = 0; i < 256; i++) fp8_table[i] = e4m3_value(i);
+    for (int i = 0; i < 128; i++) {
+        uint32_t bits;
+        memcpy(&bits, &fp8_table[i], sizeof bits);
+        fp8_bf16_hi[i] = (uint8_t)(bits >> 24);
+        fp8_bf16_lo[i] = (uint8_t)(bits >> 16);
+    }
 }
 
 // n values of one cache row (element kind) -> dst float32, times scale (fp8 only).
@@ -286,11 +302,16 @@ static inline __m512 all_sum(__m512 x) {
     return _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
 }
 
-// A row's raw scores of n <= SUB tokens -> its probabilities rounded to bf16 in pb[0 .. SUB) (0 from n on) and the
+// A row's raw scores of n <= SUB tokens (an fp8 cache: of its codes' values, times kscale[t] here) -> its
+// probabilities rounded to bf16 in pb[0 .. SUB) (0 from n on; an fp8 cache: each times vscale[t] first) and the
 // online-softmax update of (m, l); returns the factor the row's accumulators are to be scaled by first. All in vector
-// registers (a row's softmax is one chain of dependent steps: scalar round trips would lengthen it).
-static inline float softmax16(__m512 s, int n, float sm_scale, float softcap, float *restrict m, float *restrict l,
-                              uint16_t *restrict pb) {
+// registers (a row's softmax is one chain of dependent steps: scalar round trips would lengthen it); the denominator
+// too is kept per lane (l: its lanes sum to it), summed once when the walk ends. The factor is 1 without an exp where
+// the running maximum held (most blocks, once a sequence's first few have been seen).
+static inline float softmax16(__m512 s, int n, float sm_scale, float softcap, float *restrict m, __m512 *restrict l,
+                              uint16_t *restrict pb, const float *restrict kscale, const float *restrict vscale) {
+    const __mmask16 valid = (__mmask16)(n >= SUB ? 0xFFFFu : (1u << n) - 1u);
+    if (kscale) s = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(valid, kscale));
     s = _mm512_mul_ps(s, _mm512_set1_ps(sm_scale));
     if (softcap > 0.0f) {
         float v[SUB];
@@ -298,16 +319,18 @@ static inline float softmax16(__m512 s, int n, float sm_scale, float softcap, fl
         for (int t = 0; t < n; t++) v[t] = softcap * tanhf(v[t] / softcap);
         s = _mm512_loadu_ps(v);
     }
-    const __mmask16 valid = (__mmask16)(n >= SUB ? 0xFFFFu : (1u << n) - 1u);
     const __m512 m_old = _mm512_set1_ps(*m);
     const __m512 m_new = _mm512_max_ps(m_old, all_max(_mm512_mask_mov_ps(m_old, valid, s)));
     const __m512 p = _mm512_maskz_mov_ps(valid, tm_exp16(_mm512_sub_ps(s, m_new)));
     const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(p);
-    _mm256_storeu_si256((__m256i *)pb, rounded);
+    // P V's weights: the rounded probabilities, or (an fp8 cache) each times its token's V scale, rounded once
+    _mm256_storeu_si256((__m256i *)pb, vscale ? (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
+                                                    p, _mm512_maskz_loadu_ps(valid, vscale))) : rounded);
     const __m512 kept = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
-    const float correction = _mm512_cvtss_f32(tm_exp16(_mm512_sub_ps(m_old, m_new)));  // 0 (e^-87) after NEG_BIG
-    *l = *l * correction + _mm512_cvtss_f32(all_sum(kept));
-    *m = _mm512_cvtss_f32(m_new);
+    const float top = _mm512_cvtss_f32(m_new);
+    const float correction = top > *m ? _mm512_cvtss_f32(tm_exp16(_mm512_set1_ps(*m - top))) : 1.0f;  // 0 after NEG_BIG
+    *l = _mm512_fmadd_ps(*l, _mm512_set1_ps(correction), kept);
+    *m = top;
     return correction;
 }
 
@@ -429,62 +452,153 @@ static inline void prefetch_slice(const char *cache, int64_t first, int tokens, 
 }
 
 #ifdef HAVE_DPBF16
-// attend_tile's bf16 path over the cache codes: its rows (query, head, group member) with their bf16 codes qb, running
+#if defined(__AVX512VBMI__)
+#define HAVE_FP8_PATH 1
+// An fp8 cache's rows -> their values' bf16 codes in natural order (rows of D codes at src + i * src_stride bytes ->
+// dst + i * D), 64 codes a step: two byte lookups (vpermi2b over 128-entry tables: the low bytes, and the high bytes
+// with the sign or'ed in), then the bytes interleaved into words. The unpack works within 128-bit lanes, so the
+// codes are first put in the order it undoes (ORDER_64).
+static inline void fp8_rows_bf16(const uint8_t *restrict src, int64_t src_stride, int rows, uint16_t *restrict dst,
+                                 int D) {
+    const __m512i lo0 = _mm512_load_si512(fp8_bf16_lo), lo1 = _mm512_load_si512(fp8_bf16_lo + 64);
+    const __m512i hi0 = _mm512_load_si512(fp8_bf16_hi), hi1 = _mm512_load_si512(fp8_bf16_hi + 64);
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    // byte 16j + i of the reordered codes is code 8j + i (i < 8) or 32 + 8j + (i - 8): lane j's low unpack then
+    // yields codes 8j .. 8j + 7 (words 8j ..), its high unpack codes 32 + 8j .. (words 32 + 8j ..)
+    const __m512i order = _mm512_set_epi8(
+        63, 62, 61, 60, 59, 58, 57, 56, 31, 30, 29, 28, 27, 26, 25, 24, 55, 54, 53, 52, 51, 50, 49, 48, 23, 22, 21, 20,
+        19, 18, 17, 16, 47, 46, 45, 44, 43, 42, 41, 40, 15, 14, 13, 12, 11, 10, 9, 8, 39, 38, 37, 36, 35, 34, 33, 32,
+        7, 6, 5, 4, 3, 2, 1, 0);
+    for (int i = 0; i < rows; i++, src += src_stride, dst += D)
+        for (int c = 0; c < D; c += 64) {
+            const int left = D - c;
+            const __mmask64 load = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+            const __m512i x = _mm512_permutexvar_epi8(order, _mm512_maskz_loadu_epi8(load, src + c));
+            const __m512i lo = _mm512_permutex2var_epi8(lo0, x, lo1);
+            const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, x, hi1), x, sign, 0xF8);
+            _mm512_mask_storeu_epi16(dst + c, left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1u),
+                                     _mm512_unpacklo_epi8(lo, hi));
+            if (left > 32)
+                _mm512_mask_storeu_epi16(dst + c + 32, left >= 64 ? (__mmask32)0xFFFFFFFFu
+                                                                  : (__mmask32)((1u << (left - 32)) - 1u),
+                                         _mm512_unpackhi_epi8(lo, hi));
+        }
+}
+#endif
+
+// attend_tile's bf16 path over the cache: its rows (query, head, group member) with their bf16 codes qb, running
 // maxima m, denominators l and accumulators acc + r * padded_dim(D) (permuted while the walk lasts, in d order after).
-static void walk_bf16(const uint16_t *codes, const int64_t *blocks, int kv_lo, int kv_hi, const int *query_end,
-                      int rows, int h0, int hc, int G, int Hkv, int D, int block_size, float sm_scale, float softcap,
-                      float *m, float *l, float *acc, const uint16_t *qb) {
-    const int slots = 2 * Hkv, run = hc * D * 2;  // run: bytes of one token's K (or V) heads of this tile
+// A bf16 cache (fp8 = 0, scales NULL) is read in place. An fp8 cache (fp8 = 1; a constant: each kind compiles to its
+// own loop) has each SUB tokens' K and V codes of the tile's heads converted to bf16 once into kv16 (exact: every e4m3
+// value is a bf16; [K, V][head][cap tokens][D], cap = min(SUB, block_size)), which the same code then reads, K's
+// scales multiplying the scores and V's the probabilities.
+static inline __attribute__((always_inline)) void walk(
+        const void *cache, const float *scales, const int64_t *blocks, int kv_lo, int kv_hi, const int *query_end,
+        int rows, int h0, int hc, int G, int Hkv, int D, int block_size, float sm_scale, float softcap, float *m,
+        float *l, float *acc, const uint16_t *qb, uint16_t *kv16, const int fp8) {
+    const int slots = 2 * Hkv, elem = fp8 ? 1 : 2, run = hc * D * elem;  // run: bytes of a token's K (or V) heads
     const int64_t stride = (int64_t)slots * D;  // elements from one token's row to the next
+    const int cap = block_size < SUB ? block_size : SUB;
     uint16_t pb[TILE_ROWS * SUB];
     float correction[TILE_ROWS];
-    __m512 row_scores[TILE_ROWS];
+    __m512 row_scores[TILE_ROWS], lanes[TILE_ROWS];  // lanes[r]: row r's denominator, per lane (see softmax16)
+    float kv_scale[2 * TILE_ROWS * SUB];  // an fp8 cache's scales of kv16's rows: [K, V][head][token]
     float *arow[TILE_ROWS];
-    for (int r = 0; r < rows; r++) arow[r] = acc + (int64_t)r * padded_dim(D);
+    for (int r = 0; r < rows; r++) {
+        arow[r] = acc + (int64_t)r * padded_dim(D);
+        lanes[r] = _mm512_setzero_ps();
+    }
     for (int start = kv_lo - kv_lo % block_size; start < kv_hi; start += block_size) {
         const int skip = kv_lo > start ? kv_lo - start : 0;
         const int count = (kv_hi - start < block_size ? kv_hi - start : block_size) - skip;
-        const uint16_t *first = codes + (blocks[start / block_size] * block_size + skip) * stride;
+        const int64_t first = blocks[start / block_size] * block_size + skip;  // the cache slot of the first token
         const int has_next = start + block_size < kv_hi;
         const int64_t next = has_next ? blocks[start / block_size + 1] * block_size : 0;
+        if (fp8 && has_next)  // the next block's scales (its codes go out a slice per row below)
+            for (int64_t off = 0; off < (int64_t)block_size * slots * 4; off += 64)
+                prefetch_line((const char *)(scales + next * slots) + off, prefetch_to_l2);
         for (int sub = 0; sub < count; sub += SUB) {
             const int n = count - sub < SUB ? count - sub : SUB;
-            const uint16_t *tokens = first + sub * stride;
-            const int position = start + skip + sub;  // of tokens[0] in the sequence
+            const int64_t token = first + sub;
+            const int position = start + skip + sub;  // of the cache's token ``token`` in the sequence
+#ifdef HAVE_FP8_PATH
+            if (fp8) {
+                const uint8_t *codes = (const uint8_t *)cache + token * stride;
+                for (int hh = 0; hh < hc; hh++)
+                    for (int kv = 0; kv < 2; kv++) {
+                        const int slot = kv * Hkv + h0 + hh, at = kv * hc + hh;
+                        fp8_rows_bf16(codes + (int64_t)slot * D, stride, n, kv16 + (int64_t)at * cap * D, D);
+                        for (int t = 0; t < n; t++) kv_scale[at * SUB + t] = scales[(token + t) * slots + slot];
+                    }
+            }
+#endif
             // The G rows of one query over one KV head: their scores, then their softmaxes (each a chain of dependent
             // steps: side by side, a core overlaps the rows'), then P V for all G at once. ``live`` of the n tokens
             // are the query's to see (fewer only for a causal segment's queries; none: its rows are left as they are).
             for (int g0 = 0; g0 < rows; g0 += G) {
-                const int kh = h0 + (g0 / G) % hc;
-                const uint16_t *k = tokens + (int64_t)kh * D, *v = tokens + (int64_t)(Hkv + kh) * D;
+                const int hh = (g0 / G) % hc, kh = h0 + hh;
+                const int64_t row_stride = fp8 ? D : stride;
+                const uint16_t *k = fp8 ? kv16 + (int64_t)hh * cap * D
+                                        : (const uint16_t *)cache + token * stride + (int64_t)kh * D;
+                const uint16_t *v = fp8 ? kv16 + (int64_t)(hc + hh) * cap * D
+                                        : (const uint16_t *)cache + token * stride + (int64_t)(Hkv + kh) * D;
+                const float *kscale = fp8 ? kv_scale + hh * SUB : NULL, *vscale = fp8 ? kv_scale + (hc + hh) * SUB : NULL;
                 const int seen = query_end ? query_end[g0 / (hc * G)] - position : n;
                 const int live = seen < n ? (seen > 0 ? seen : 0) : n;
                 for (int r = g0; r < g0 + G; r++) {
                     if (has_next && sub == 0)
-                        prefetch_slice((const char *)codes, next, block_size, slots, h0, Hkv, D, 2, run, r, rows);
+                        prefetch_slice((const char *)cache, next, block_size, slots, h0, Hkv, D, elem, run, r, rows);
                     if (!live) continue;
                     const uint16_t *qr = qb + (int64_t)r * D;
                     if (D == 64)
-                        row_scores[r] = scores16(qr, k, live, stride, 64);
+                        row_scores[r] = scores16(qr, k, live, row_stride, 64);
                     else if (D == 128)
-                        row_scores[r] = scores16(qr, k, live, stride, 128);
+                        row_scores[r] = scores16(qr, k, live, row_stride, 128);
                     else
-                        row_scores[r] = scores16(qr, k, live, stride, D);
+                        row_scores[r] = scores16(qr, k, live, row_stride, D);
                 }
                 if (!live) continue;
                 for (int r = g0; r < g0 + G; r++)
-                    correction[r] = softmax16(row_scores[r], live, sm_scale, softcap, m + r, l + r, pb + r * SUB);
-                pv_group(arow + g0, correction + g0, pb + g0 * SUB, v, live, stride, D, G);
+                    correction[r] = softmax16(row_scores[r], live, sm_scale, softcap, m + r, lanes + r, pb + r * SUB,
+                                              kscale, vscale);
+                pv_group(arow + g0, correction + g0, pb + g0 * SUB, v, live, row_stride, D, G);
             }
         }
     }
-    for (int r = 0; r < rows; r++) {  // the accumulators back in d order
+    for (int r = 0; r < rows; r++) {  // the denominators summed, the accumulators back in d order
+        l[r] += _mm512_cvtss_f32(all_sum(lanes[r]));
         float row[D];
         for (int d = 0; d < D; d++) row[d] = arow[r][chunk_position(d)];
         memcpy(arow[r], row, (size_t)D * sizeof(float));
     }
 }
+
+static __attribute__((noinline)) void walk_bf16(const void *cache, const int64_t *blocks, int kv_lo, int kv_hi, const int *query_end, int rows,
+                      int h0, int hc, int G, int Hkv, int D, int block_size, float sm_scale, float softcap, float *m,
+                      float *l, float *acc, const uint16_t *qb) {
+    walk(cache, NULL, blocks, kv_lo, kv_hi, query_end, rows, h0, hc, G, Hkv, D, block_size, sm_scale, softcap, m, l,
+         acc, qb, NULL, 0);
+}
+
+#ifdef HAVE_FP8_PATH
+// kv16: scratch of 2 * hc * min(SUB, block_size) * D codes
+static __attribute__((noinline)) void walk_fp8(const void *cache, const float *scales, const int64_t *blocks, int kv_lo, int kv_hi,
+                     const int *query_end, int rows, int h0, int hc, int G, int Hkv, int D, int block_size,
+                     float sm_scale, float softcap, float *m, float *l, float *acc, const uint16_t *qb,
+                     uint16_t *kv16) {
+    walk(cache, scales, blocks, kv_lo, kv_hi, query_end, rows, h0, hc, G, Hkv, D, block_size, sm_scale, softcap, m, l,
+         acc, qb, kv16, 1);
+}
 #endif
+#endif
+
+int tm_attention_fp8_path(void) {
+#ifdef HAVE_FP8_PATH
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 // The output row of tile row r: rows are (query, head, group member), r = (qi * hc + hh) * G + g.
 static inline int64_t tile_row(int r, int q_first, int h0, int hc, int G, int Hq) {
@@ -516,8 +630,14 @@ static void attend_tile(const float *q, float *out, float *lse, float *part, con
     if (bf16_path) {
         for (int r = 0; r < rows; r++)  // the rows' bf16 codes (exact: their values are bf16)
             for (int d = 0; d < D; d++) qb[(int64_t)r * D + d] = bf16_round(qrow[r][d]);
-        walk_bf16((const uint16_t *)cache, blocks, kv_lo, kv_hi, query_end, rows, h0, hc, G, Hkv, D, block_size,
-                  sm_scale, softcap, m, l, acc, qb);
+#ifdef HAVE_FP8_PATH
+        if (scales)  // the widening buffers hold the converted codes (half their bytes at most: see walk)
+            walk_fp8(cache, scales, blocks, kv_lo, kv_hi, query_end, rows, h0, hc, G, Hkv, D, block_size, sm_scale,
+                     softcap, m, l, acc, qb, (uint16_t *)kbuf);
+        else
+#endif
+            walk_bf16(cache, blocks, kv_lo, kv_hi, query_end, rows, h0, hc, G, Hkv, D, block_size, sm_scale, softcap,
+                      m, l, acc, qb);
     } else
 #endif
     for (int start = kv_lo - kv_lo % block_size; start < kv_hi; start += block_size) {
@@ -610,7 +730,12 @@ static int attention(const float *q, float *out, float *lse, const void *cache, 
                      int q_bf16, int threads) {
     const int G = Hq / Hkv;
 #ifdef HAVE_DPBF16
-    const int bf16_path = kind == KIND_BF16 && !scales && q_bf16 && D % 16 == 0;
+    // bf16 queries (a bf16 model) over a bf16 cache, or over an fp8 one where the build has the byte lookups
+    const int bf16_path = q_bf16 && D % 16 == 0 && ((kind == KIND_BF16 && !scales)
+#ifdef HAVE_FP8_PATH
+                                                    || (kind == KIND_FP8 && scales)
+#endif
+                                                    );
 #else
     const int bf16_path = 0;
     (void)q_bf16;
