@@ -66,6 +66,16 @@ def test_bf16_calls_round_the_float32_result(name, amx_from_rows):
         x = (torch.randn(rows, 160) * 3).bfloat16()
         got = kernel(x)
         assert got.dtype == torch.bfloat16 and torch.equal(got, kernel(x.float()).bfloat16())
+    # Ties: a bias that puts row 0's every output exactly halfway between two bf16 values (low 16 bits 0x8000), where
+    # rounding half to even and half up part ways.
+    x = (torch.randn(3, 160) * 3).bfloat16()
+    plain = CPUQuantMatmul(fmt, t["qweight"], t["scales"], t.get("mins"), None, amx_from_rows=amx_from_rows)
+    product = plain(x.float())[0]
+    ties = ((product.view(torch.int32) & ~0xFFFF) | 0x8000).view(torch.float32)
+    kernel = CPUQuantMatmul(fmt, t["qweight"], t["scales"], t.get("mins"), ties - product, amx_from_rows=amx_from_rows)
+    full = kernel(x.float())
+    assert ((full[0].view(torch.int32) & 0xFFFF) == 0x8000).sum() >= 30  # most land on their tie exactly
+    assert torch.equal(kernel(x), full.bfloat16())
 
 
 def test_int8_activations_stay_within_half_a_step():

@@ -39,7 +39,8 @@ typedef struct {
     int32_t amx_from_rows;  // calls of this many rows and more take the AMX build, where there is one (0: never)
 } tm_x16_weight;
 
-int tm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t **xq, float **xd, float **xs);  // quant_linear.c
+int tm_quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t **xq, float **xd,  // quant_linear.c
+                     float **xs);
 void tm_add_bias(float *out, int64_t M, int64_t N, const float *bias);                           // quant_linear.c
 void *tm_thread_scratch(int64_t bytes);                                                         // quant_linear.c
 void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n);                                 // paged_attention.c
@@ -58,10 +59,23 @@ static inline __m512 load16(const void *p, int64_t i, int f32) {
                : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
 }
 
-// out[m0 + r][16 t ..] for r < MR.
+// The bf16 of each float32 lane, rounded to nearest even (a NaN stays a NaN): tm_round_bf16's arithmetic, 16 lanes.
+static inline __m512i round_bf16_lanes(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+}
+
+// out[m0 + r][16 t ..] for r < MR, plus bias (NULL: none); out float32, or bf16 where out_bf16 (rounded to nearest
+// even, as tm_round_bf16 rounds the float32 result).
 static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *w, int64_t t, int64_t m0,
                                                            const int MR, const int8_t *xq, const float *xd,
-                                                           const float *xs, float *out) {
+                                                           const float *xs, const float *bias, void *out,
+                                                           int out_bf16) {
     const int64_t blocks = w->K / 32, per_group = w->G / 32, groups = (w->K + w->G - 1) / w->G;
     const int64_t step_bytes = w->kind == 0 ? 32 : 64;
     const uint8_t *qt = w->q + t * blocks * 8 * step_bytes;
@@ -102,8 +116,15 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
     }
     const int64_t n0 = 16 * t;
     const __mmask16 live = w->N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (w->N - n0)) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + n0) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(out + (m0 + r) * w->N + n0, live, acc[r]);
+    for (int r = 0; r < MR; r++) {
+        const __m512 v = bias ? _mm512_add_ps(acc[r], b) : acc[r];
+        if (out_bf16)
+            _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + (m0 + r) * w->N + n0, live, round_bf16_lanes(v));
+        else
+            _mm512_mask_storeu_ps((float *)out + (m0 + r) * w->N + n0, live, v);
+    }
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -117,10 +138,12 @@ static inline __m256 load8(const void *p, int64_t i, int f32) {
                : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
 }
 
-// out[m0 + r][16 t + 8 half ..] for r < MR: one half tile (8 rows) over every block.
+// out[m0 + r][16 t + 8 half ..] for r < MR, plus bias (NULL: none), float32 or bf16 (out_bf16): one half tile (8
+// rows) over every block.
 static inline __attribute__((always_inline)) void x16_half(const tm_x16_weight *w, int64_t t, int half, int64_t m0,
                                                            const int MR, const int8_t *xq, const float *xd,
-                                                           const float *xs, float *out) {
+                                                           const float *xs, const float *bias, void *out,
+                                                           int out_bf16) {
     const int64_t blocks = w->K / 32, per_group = w->G / 32, groups = (w->K + w->G - 1) / w->G;
     const int64_t step_bytes = w->kind == 0 ? 32 : 64;
     const uint8_t *qt = w->q + t * blocks * 8 * step_bytes + (w->kind == 0 ? 0 : 32 * half);
@@ -164,12 +187,18 @@ static inline __attribute__((always_inline)) void x16_half(const tm_x16_weight *
     const int64_t n0 = 16 * t + 8 * half, live = w->N - n0 < 8 ? w->N - n0 : 8;
 #pragma GCC unroll 4
     for (int r = 0; r < MR; r++) {
-        if (live == 8) {
-            _mm256_storeu_ps(out + (m0 + r) * w->N + n0, acc[r]);
+        const int64_t at = (m0 + r) * w->N + n0;
+        if (live == 8 && !bias && !out_bf16) {
+            _mm256_storeu_ps((float *)out + at, acc[r]);
         } else if (live > 0) {
             float lanes[8];
             _mm256_storeu_ps(lanes, acc[r]);
-            memcpy(out + (m0 + r) * w->N + n0, lanes, sizeof(float) * (size_t)live);
+            if (bias)
+                for (int i = 0; i < live; i++) lanes[i] += bias[n0 + i];
+            if (out_bf16)
+                tm_round_bf16(lanes, (uint16_t *)out + at, live);
+            else
+                memcpy((float *)out + at, lanes, sizeof(float) * (size_t)live);
         }
     }
 }
@@ -177,9 +206,10 @@ static inline __attribute__((always_inline)) void x16_half(const tm_x16_weight *
 // Both halves of tile t (the second reads the tile's bytes from cache).
 static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *w, int64_t t, int64_t m0,
                                                            const int MR, const int8_t *xq, const float *xd,
-                                                           const float *xs, float *out) {
-    x16_half(w, t, 0, m0, MR, xq, xd, xs, out);
-    x16_half(w, t, 1, m0, MR, xq, xd, xs, out);
+                                                           const float *xs, const float *bias, void *out,
+                                                           int out_bf16) {
+    x16_half(w, t, 0, m0, MR, xq, xd, xs, bias, out, out_bf16);
+    x16_half(w, t, 1, m0, MR, xq, xd, xs, bias, out, out_bf16);
 }
 
 #endif
@@ -318,17 +348,19 @@ int tm_amx_available(void) {
 }
 
 #if defined(TM_VNNI) || defined(TM_X16_AVX2)
-// xq [M][K], xd / xs [M][K / 32] as tm_quantize_rows writes them -> out [M][N].
+// xq [M][K], xd / xs [M][K / 32] as tm_quantize_rows writes them -> out [M][N] (+ bias [N], or NULL), float32 or
+// bf16 (out_bf16), written by the tiles themselves (no pass over out afterwards: one on one thread cost a prefill
+// ~5% on a 2-core Zen 4, the other core waiting).
 static void x16_linear(const tm_x16_weight *w, const int8_t *xq, const float *xd, const float *xs, int64_t M,
-                       float *out) {
+                       const float *bias, void *out, int out_bf16) {
     const int64_t tiles = (w->N + 15) / 16;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t m = 0;
-        for (; m + TILE_M <= M; m += TILE_M) x16_tile(w, t, m, TILE_M, xq, xd, xs, out);
-        if (M - m >= 4) { x16_tile(w, t, m, 4, xq, xd, xs, out); m += 4; }
-        if (M - m >= 2) { x16_tile(w, t, m, 2, xq, xd, xs, out); m += 2; }
-        if (M - m >= 1) x16_tile(w, t, m, 1, xq, xd, xs, out);
+        for (; m + TILE_M <= M; m += TILE_M) x16_tile(w, t, m, TILE_M, xq, xd, xs, bias, out, out_bf16);
+        if (M - m >= 4) { x16_tile(w, t, m, 4, xq, xd, xs, bias, out, out_bf16); m += 4; }
+        if (M - m >= 2) { x16_tile(w, t, m, 2, xq, xd, xs, bias, out, out_bf16); m += 2; }
+        if (M - m >= 1) x16_tile(w, t, m, 1, xq, xd, xs, bias, out, out_bf16);
     }
 }
 
@@ -345,39 +377,44 @@ int tm_x16_register_rows(void) {
 #endif
 }
 
-// x [M][K] float32 -> out [M][N] float32 (+ bias [N], or NULL). 0, -1 (neither AVX-512 VNNI nor AVX2), -2 (memory).
-static int x16_float(const tm_x16_weight *w, const float *x, int64_t M, const float *bias, float *out) {
 #if defined(TM_AMX)
-    if (w->amx_from_rows > 0 && M >= w->amx_from_rows && tm_amx_available()) {
-        if (amx_linear(w, x, M, out) != 0) return -2;
-        if (bias) tm_add_bias(out, M, w->N, bias);
+// amx_linear with bias and bf16 I/O around it (the tiles take float32 rows and write float32). 0, -2 (memory).
+static int amx_call(const tm_x16_weight *w, const void *x, int64_t M, const float *bias, void *out, int bf16_io) {
+    if (!bf16_io) {
+        if (amx_linear(w, (const float *)x, M, (float *)out) != 0) return -2;
+        if (bias) tm_add_bias((float *)out, M, w->N, bias);
         return 0;
     }
+    float *buffer = (float *)malloc((size_t)(M * (w->K + w->N)) * sizeof(float));
+    if (!buffer) return -2;
+    tm_widen_bf16((const uint16_t *)x, buffer, M * w->K);
+    int code = amx_linear(w, buffer, M, buffer + M * w->K) != 0 ? -2 : 0;
+    if (code == 0) {
+        if (bias) tm_add_bias(buffer + M * w->K, M, w->N, bias);
+        tm_round_bf16(buffer + M * w->K, (uint16_t *)out, M * w->N);
+    }
+    free(buffer);
+    return code;
+}
+#endif
+
+// x [M][K] -> out [M][N] (+ bias [N] float32, or NULL); x and out float32, or both bf16 (bf16_io: the model's own
+// dtype, read and rounded here, so that a bf16 model's call makes no conversions of its own). Returns 0, -1
+// where this build has neither AVX-512 VNNI nor AVX2, -2 when memory runs out.
+int tm_quant_linear_x16(const tm_x16_weight *w, const void *x, int64_t M, const float *bias, void *out, int bf16_io) {
+#if defined(TM_AMX)
+    if (w->amx_from_rows > 0 && M >= w->amx_from_rows && tm_amx_available())
+        return amx_call(w, x, M, bias, out, bf16_io);
 #endif
 #if defined(TM_VNNI) || defined(TM_X16_AVX2)
     int8_t *xq;
     float *xd, *xs;
-    if (tm_quantize_rows(x, M, w->K, &xq, &xd, &xs) != 0) return -2;
-    x16_linear(w, xq, xd, xs, M, out);
-    if (bias) tm_add_bias(out, M, w->N, bias);
+    if (tm_quantize_rows(x, bf16_io, M, w->K, &xq, &xd, &xs) != 0) return -2;
+    x16_linear(w, xq, xd, xs, M, bias, out, bf16_io);
     free(xd);
     return 0;
 #else
-    (void)w; (void)x; (void)M; (void)bias; (void)out;
+    (void)w; (void)x; (void)M; (void)bias; (void)out; (void)bf16_io;
     return -1;
 #endif
-}
-
-// x [M][K] -> out [M][N] (+ bias [N] float32, or NULL); x and out float32, or both bf16 (bf16_io: the model's own
-// dtype, widened and rounded here, so that a bf16 model's call makes no conversions of its own). Returns 0, -1
-// where this build has neither AVX-512 VNNI nor AVX2, -2 when memory runs out.
-int tm_quant_linear_x16(const tm_x16_weight *w, const void *x, int64_t M, const float *bias, void *out, int bf16_io) {
-    if (!bf16_io) return x16_float(w, (const float *)x, M, bias, (float *)out);
-    float *buffer = (float *)malloc((size_t)(M * (w->K + w->N)) * sizeof(float));
-    if (!buffer) return -2;
-    tm_widen_bf16((const uint16_t *)x, buffer, M * w->K);
-    const int code = x16_float(w, buffer, M, bias, buffer + M * w->K);
-    if (code == 0) tm_round_bf16(buffer + M * w->K, (uint16_t *)out, M * w->N);
-    free(buffer);
-    return code;
 }
