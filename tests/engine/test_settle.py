@@ -61,6 +61,31 @@ def test_a_machine_noisy_throughout_gives_no_verdict_within_the_budget():
     assert "no two consecutive rounds agreed" in result.describe()
 
 
+def test_thread_counts_compare_their_fastest_times():
+    """A neighbour busy for the first two rounds triples the every-core run's time (A: its threads wait at each
+    barrier for the preempted one) and leaves the run without that core alone (B). Round by round the two busy rounds
+    agree on B / A = 0.6, the wrong way round; the fastest times give the quiet machine's 1.8."""
+    def durations(name, call):
+        return 1.8 if name.startswith("b") else (3.0 if call <= 4 else 1.0)
+    clock = FakeClock(durations)
+    assert probe.compare(pairs(clock, 1), clock=clock, budget_s=100).ratio == pytest.approx(0.6)
+    clock = FakeClock(durations)
+    best = probe.compare(pairs(clock, 1), clock=clock, budget_s=100, estimate="best")
+    assert best.ratio == pytest.approx(1.8) and best.rounds[:2] == pytest.approx((0.6, 0.6))
+
+
+def test_the_thread_probe_compares_fastest_times(monkeypatch):
+    seen = {}
+
+    def fake_compare(cases, **kwargs):
+        seen.update(kwargs)
+        return probe.Comparison(1.5, (1.5, 1.5), 0.1)
+    monkeypatch.setattr(settle, "compare", fake_compare)
+    shapes = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "head_dim": 16}
+    assert settle.time_fewer_over_all_threads(shapes, torch.float32, 2).ratio == 1.5
+    assert seen["estimate"] == "best"
+
+
 def scripted(per_case: list[float], noisy: bool = False):
     """``compare`` over fake cases whose B / A time is ``per_case[i]``; noisy: random on every call."""
     rng = random.Random(3)
