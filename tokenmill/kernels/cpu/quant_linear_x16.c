@@ -349,8 +349,8 @@ int tm_amx_available(void) {
 
 #if defined(TM_VNNI) || defined(TM_X16_AVX2)
 // xq [M][K], xd / xs [M][K / 32] as tm_quantize_rows writes them -> out [M][N] (+ bias [N], or NULL), float32 or
-// bf16 (out_bf16), written by the tiles themselves (no pass over out afterwards: one on one thread cost a prefill
-// ~5% on a 2-core Zen 4, the other core waiting).
+// bf16 (out_bf16), written by the tiles themselves (no pass over out afterwards: such passes, on one thread and in
+// a fresh buffer each call, left the other cores waiting).
 static void x16_linear(const tm_x16_weight *w, const int8_t *xq, const float *xd, const float *xs, int64_t M,
                        const float *bias, void *out, int out_bf16) {
     const int64_t tiles = (w->N + 15) / 16;
