@@ -7,7 +7,7 @@ import torch
 
 from tests.kernels.paging import paged_batch, picker
 from tokenmill.kernels import cpu_attention, cpu_native
-from tokenmill.kernels.kv_write import write_kv
+from tokenmill.kernels.kv_write import dequantize, write_kv
 from tokenmill.kernels.paged_attention import paged_attention
 
 # (tokens cached before this step, new tokens) per request.
@@ -111,15 +111,22 @@ def test_bf16_queries_over_a_bf16_cache(d, hq, hkv, block_size):
     got, want = attention_both_ways(batch, hkv, d)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=1.6e-2, rtol=1.6e-2)
-    # Before the output's rounding to bf16: the float32 result and log-sum-exp against the same queries in float32
-    # (the widening path, exact products): only the probabilities' rounding to bf16 (relative error <= 2^-9 each)
-    # separates them, so a row differs by at most 2 * 2^-9 * max|V|; the log-sum-exp by about 2^-9.
+    assert_only_probabilities_rounded(batch, hkv, d)
+
+
+def assert_only_probabilities_rounded(batch, hkv, d):
+    """Before the output's rounding to bf16: the float32 result and log-sum-exp of bf16 queries against the same
+    queries in float32 (the widening path, exact products): only the probabilities' rounding to bf16 (relative
+    error <= 2^-9 each; an fp8 cache: each times its token's V scale) separates them, so a row differs by at most
+    2 * 2^-9 * max|V| (V the cache's values: code * scale for fp8); the log-sum-exp by about 2^-9."""
     segments = cpu_attention._segments(batch.meta, 0, with_prefills=True)
     rows = torch.cat([torch.arange(start, start + count) for start, count in segments[1:3].t().tolist()])
     tables = batch.meta.block_tables.long().contiguous()
-    out, lse = cpu_attention.cache_attention(batch.q, batch.data, None, tables, segments, d ** -0.5)
-    exact_out, exact_lse = cpu_attention.cache_attention(batch.q.float(), batch.data, None, tables, segments, d ** -0.5)
-    bound = 2 * 2 ** -9 * batch.data[:, :, hkv:].float().nan_to_num(0.0).abs().max().item()
+    out, lse = cpu_attention.cache_attention(batch.q, batch.data, batch.scales, tables, segments, d ** -0.5)
+    exact_out, exact_lse = cpu_attention.cache_attention(batch.q.float(), batch.data, batch.scales, tables, segments,
+                                                         d ** -0.5)
+    values = dequantize(batch.data, batch.scales, torch.float32)[:, :, hkv:]
+    bound = 2 * 2 ** -9 * values.nan_to_num(0.0).abs().max().item()
     torch.testing.assert_close(out[rows], exact_out[rows], atol=bound, rtol=0)
     torch.testing.assert_close(lse[rows], exact_lse[rows], atol=2e-3, rtol=0)
 
@@ -129,24 +136,14 @@ def test_bf16_queries_over_a_bf16_cache(d, hq, hkv, block_size):
 def test_bf16_queries_over_an_fp8_cache(d, hq, hkv, block_size):
     """A bf16 model over an fp8 cache: on a host with AVX512-BF16 and AVX512-VBMI the bf16 path over codes turned
     into bf16 by byte lookups (head sizes that end in part of a 64-code step: 16, 48, 80), else the widening one. Against
-    the float32 widening path with the same queries in float32 (exact products of code * scale): only the rounding of
-    each probability times its token's V scale to bf16, and of the probabilities the denominator sums, separate them,
-    so a row differs by at most 2 * 2^-9 * max|V| (V = code * scale); the log-sum-exp by about 2^-9."""
+    the float32 widening path with the same queries in float32 (exact products of code * scale), as the bf16 cache's
+    test holds it."""
     batch = paged_batch(SHAPES + [(44, 1), (17, 1)], hq, hkv, d, "fp8", block_size, num_blocks=1024,
                         q_dtype=torch.bfloat16, seed=d + block_size)
     got, want = attention_both_ways(batch, hkv, d)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=1.6e-2, rtol=1.6e-2)
-    segments = cpu_attention._segments(batch.meta, 0, with_prefills=True)
-    rows = torch.cat([torch.arange(start, start + count) for start, count in segments[1:3].t().tolist()])
-    tables = batch.meta.block_tables.long().contiguous()
-    out, lse = cpu_attention.cache_attention(batch.q, batch.data, batch.scales, tables, segments, d ** -0.5)
-    exact_out, exact_lse = cpu_attention.cache_attention(batch.q.float(), batch.data, batch.scales, tables, segments,
-                                                         d ** -0.5)
-    values = batch.data[:, :, hkv:].float() * batch.scales[:, :, hkv:, None]
-    bound = 2 * 2 ** -9 * values.nan_to_num(0.0).abs().max().item()
-    torch.testing.assert_close(out[rows], exact_out[rows], atol=bound, rtol=0)
-    torch.testing.assert_close(lse[rows], exact_lse[rows], atol=2e-3, rtol=0)
+    assert_only_probabilities_rounded(batch, hkv, d)
 
 
 def test_the_fp8_path_is_built_where_the_cpu_has_avx512_bf16_and_vbmi(monkeypatch):
