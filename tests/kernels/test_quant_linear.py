@@ -27,7 +27,7 @@ def weights(fmt: WeightFormat, out_features: int, in_features: int, seed: int = 
 
 @needs_kernels
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 131, 300])  # 131, 300: past one chunk of the interleaved kernel
 def test_kernel_matches_reference(name, rows):
     fmt = WeightFormat.parse(name)
     # 160 inputs: g64 and g128 end on a short group; 37 outputs: odd, not a multiple of any tile.
@@ -62,7 +62,7 @@ def test_bf16_calls_round_the_float32_result(name, amx_from_rows):
     fmt = WeightFormat.parse(name)
     t = weights(fmt, 37, 160)
     kernel = CPUQuantMatmul(fmt, t["qweight"], t["scales"], t.get("mins"), torch.randn(37), amx_from_rows=amx_from_rows)
-    for rows in (1, 5, 33):
+    for rows in (1, 5, 33, 261):
         x = (torch.randn(rows, 160) * 3).bfloat16()
         got = kernel(x)
         assert got.dtype == torch.bfloat16 and torch.equal(got, kernel(x.float()).bfloat16())
@@ -247,6 +247,24 @@ def test_gguf_blocks_map_onto_the_formats_bit_for_bit(type_name):
     blocks = gguf_quantize(w, qtype)
     ours = dequantize_pieces(GGUF_KEPT_TYPES[type_name], gguf_quantized_pieces(blocks, type_name))
     assert torch.equal(ours, torch.from_numpy(gguf_dequantize(blocks, qtype)))  # the loader reads the file so
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_kernel_on_gguf_blocks(type_name):
+    """gguf's own blocks (the default model's formats) through the kernel, past one chunk of rows too: it agrees with
+    the reference on the same bytes."""
+    from gguf import GGMLQuantizationType, quantize as gguf_quantize
+
+    w = (np.random.default_rng(1).standard_normal((37, 256)) * 0.05).astype(np.float32)
+    pieces = gguf_quantized_pieces(gguf_quantize(w, GGMLQuantizationType[type_name]), type_name)
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in pieces.items()}
+    fmt = WeightFormat.parse(GGUF_KEPT_TYPES[type_name])
+    for rows in (1, 9, 131):
+        x = torch.randn(rows, 256) * 3
+        ref = quant_linear_reference(x, fmt, t["qweight"], t["scales"], t.get("mins"), int8_activations=True)
+        got = quant_linear_cpu(x, fmt, t["qweight"], t["scales"], t.get("mins"))
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name,expected", [("int4-g32", ("int4", 32, True, False)),
