@@ -3,8 +3,9 @@
     python benchmarks/prefill.py [--prompt-len 2000] [--batch 1] [--repeats 3] [--dtype auto] [--settings sdpa,amx]
         [--out benchmarks/results/prefill.json]
 
-For each setting of the prefill attention (``sdpa``: PyTorch's flash SDPA over the own tokens; ``amx``: the AMX tile
-kernel of kernels/cpu/prefill_attention.c, where the host has AMX and the model is bf16; ``paged``: the cache kernel
+For each setting of the prefill attention (``sdpa``: PyTorch's flash SDPA over the own tokens; ``amx`` / ``avx512``:
+kernels/cpu/prefill_attention.c on AMX tiles / AVX512-BF16 registers, where the host has them and the model is bf16;
+``paged``: the cache kernel
 with each chunk a causal segment, a bf16 model over a bf16 cache; ``math``: SDPA forced onto its unfused fallback,
 what tokenmill ran before flash) it times ``repeats`` prefills of ``--batch`` random prompts of exactly
 ``--prompt-len`` tokens each, in one step where the token budget allows (one output token, so the time is the
@@ -31,7 +32,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.cpu_attention import set_prefill_kernel
 
 # setting -> (own-token kernel, SDPA backends forced or None)
-SETTINGS = {"sdpa": ("sdpa", None), "amx": ("amx", None), "paged": ("paged", None),
+SETTINGS = {"sdpa": ("sdpa", None), "amx": ("amx", None), "avx512": ("avx512", None), "paged": ("paged", None),
             "math": ("sdpa", [SDPBackend.MATH])}
 # Inclusive times; the engine's own ops (attention and the CPU linear layers, kernels/attention_op.py and
 # kernels/cpu_linear.py) hold the aten calls where they are present.

@@ -87,11 +87,11 @@ class EngineConfig(BaseSettings):
     attention_prefetch: Literal["auto", "l1", "l2"] = Field(
         "auto", description="CPU decode attention: ask for the next cache block into the L1 or only the L2; auto = "
                             "whichever was faster when timed at start-up")
-    prefill_attention: Literal["auto", "sdpa", "amx", "paged"] = Field(
-        "auto", description="CPU prefill attention: PyTorch's flash SDPA over a chunk's own tokens, the AMX tile "
-                            "kernel (bf16 models on CPUs with AMX), or paged: the decode kernel over the cache with "
-                            "each chunk a causal segment (bf16 models over a bf16 KV cache); auto = whichever was "
-                            "fastest when timed at start-up")
+    prefill_attention: Literal["auto", "sdpa", "amx", "avx512", "paged"] = Field(
+        "auto", description="CPU prefill attention: PyTorch's flash SDPA over a chunk's own tokens, the tile kernel "
+                            "on AMX (bf16 models on CPUs with AMX) or on AVX512-BF16 registers (avx512), or paged: the "
+                            "decode kernel over the cache with each chunk a causal segment (bf16 models over a bf16 "
+                            "KV cache); auto = whichever was fastest when timed at start-up")
     kernel_tuning: Literal["heuristic", "autotune"] = Field(
         "heuristic", description="fused-MoE launch configs: heuristic, or measured once per shape and kept in "
                                  "kernel_cache_dir")

@@ -1,7 +1,8 @@
-"""A prefill chunk's attention over its own tokens on AMX tiles (kernels/cpu/prefill_attention.c, selected by
-engine/prefill_attention.py): exact causal attention to bf16 precision, GQA groups, tails of every length, strided
-queries, the log-sum-exp the merge with a cached prefix needs, and whole paged batches against the PyTorch
-reference. On a host without AMX the kernel declines (None) and SDPA answers instead, which is checked too."""
+"""A prefill chunk's attention over its own tokens by kernels/cpu/prefill_attention.c, on AMX tiles ("amx") or in
+AVX512-BF16 registers ("avx512"), selected by engine/prefill_attention.py: exact causal attention to bf16 precision,
+GQA groups, tails of every length, strided queries, the log-sum-exp the merge with a cached prefix needs, and whole
+paged batches against the PyTorch reference. Where a build does not run here (no AMX; no AVX512-BF16 in the build)
+it declines (None) and SDPA answers instead, which is checked too."""
 
 import pytest
 import torch
@@ -15,6 +16,10 @@ from tokenmill.kernels import cpu_attention, cpu_native
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler on this machine")
 AMX = cpu_native.amx_available()
+# Where each C kernel runs: AMX as the host grants it; AVX512-BF16 as this build of the library has it (the decode
+# kernel's bf16 path needs the same instructions and is itself held to the CPU's flags in test_cpu_attention.py).
+RUNS = {"amx": AMX, "avx512": cpu_native.library() is not None and bool(cpu_native.library().tm_attention_bf16_dot())}
+C_KERNELS = sorted(RUNS)
 
 
 @pytest.fixture
@@ -34,14 +39,15 @@ def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tu
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v), scores.logsumexp(-1).t()
 
 
+@pytest.mark.parametrize("kernel", C_KERNELS)
 @pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 31, 32, 33, 100, 300])
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 64)])
-def test_the_amx_kernel_is_causal_attention(length, hq, hkv, d):
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 64), (2, 1, 256)])
+def test_the_c_kernel_is_causal_attention(kernel, length, hq, hkv, d):
     gen = torch.Generator().manual_seed(length + d)
     fused = (torch.randn(length, hq + 2 * hkv, d, generator=gen) * 1.5).bfloat16()  # q, k, v views of one projection
     q, k, v = fused.split([hq, hkv, hkv], dim=1)
-    result = cpu_attention.amx_prefill_attention(q, k, v, d ** -0.5)
-    if not AMX:
+    result = cpu_attention.c_prefill_attention(kernel, q, k, v, d ** -0.5)
+    if not RUNS[kernel]:
         assert result is None  # declined: own_tokens_attention runs SDPA
         return
     out, lse = result
@@ -54,7 +60,8 @@ def test_the_amx_kernel_is_causal_attention(length, hq, hkv, d):
     torch.testing.assert_close(lse.double(), want_lse, atol=2 ** -8 + 1e-5, rtol=0)
 
 
-def test_a_step_of_chunks_in_one_call():
+@pytest.mark.parametrize("kernel", C_KERNELS)
+def test_a_step_of_chunks_in_one_call(kernel):
     """Several chunks of one step's rows in one call, into a given output: each chunk is causal over its own rows
     only, and rows of no chunk (a decode's, between them) keep what the output held."""
     hq, hkv, d = 9, 3, 64
@@ -63,8 +70,8 @@ def test_a_step_of_chunks_in_one_call():
     q, k, v = fused.split([hq, hkv, hkv], dim=1)
     chunks = [(0, 5), (5, 40), (60, 17), (99, 1)]
     out = torch.full((100, hq, d), 7.0, dtype=torch.bfloat16)
-    result = cpu_attention.amx_prefill_attention(q, k, v, d ** -0.5, chunks, out)
-    if not AMX:
+    result = cpu_attention.c_prefill_attention(kernel, q, k, v, d ** -0.5, chunks, out)
+    if not RUNS[kernel]:
         assert result is None and (out == 7.0).all()
         return
     assert result[0] is out
@@ -77,16 +84,19 @@ def test_a_step_of_chunks_in_one_call():
     assert (out[45:60] == 7.0).all() and (out[77:99] == 7.0).all()
 
 
-def test_layouts_the_kernel_does_not_take_are_declined():
+@pytest.mark.parametrize("kernel", C_KERNELS)
+def test_layouts_the_kernel_does_not_take_are_declined(kernel):
     q = torch.zeros(4, 4, 64, dtype=torch.bfloat16)
-    assert cpu_attention.amx_prefill_attention(q.float(), q.float(), q.float(), 0.1) is None  # float32
-    assert cpu_attention.amx_prefill_attention(q[..., :48].contiguous(), q[..., :48].contiguous(),
-                                               q[..., :48].contiguous(), 0.1) is None  # D not a multiple of 32
+    assert cpu_attention.c_prefill_attention(kernel, q.float(), q.float(), q.float(), 0.1) is None  # float32
+    assert cpu_attention.c_prefill_attention(kernel, q[..., :48].contiguous(), q[..., :48].contiguous(),
+                                             q[..., :48].contiguous(), 0.1) is None  # D not a multiple of 32
+    wide = torch.zeros(4, 1, 288, dtype=torch.bfloat16)
+    assert cpu_attention.c_prefill_attention(kernel, wide, wide, wide, 0.1) is None  # D above 256
     transposed = q.transpose(0, 1).contiguous().transpose(0, 1)  # heads not contiguous within a token
-    assert cpu_attention.amx_prefill_attention(transposed, q, q, 0.1) is None
+    assert cpu_attention.c_prefill_attention(kernel, transposed, q, q, 0.1) is None
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "amx", "paged"])
+@pytest.mark.parametrize("kernel", ["sdpa", "amx", "avx512", "paged"])
 @pytest.mark.parametrize("seed", range(4))
 def test_whole_batches_with_cached_prefixes_match_the_reference(restore_kernel, kernel, seed):
     """Decodes and prefill chunks with and without a cached prefix (the own-token part merged with the prefix's by
@@ -107,17 +117,29 @@ def test_an_unknown_kernel_is_refused():
 ARGS = (9, 3, 64, torch.bfloat16, 2)
 
 
-@pytest.mark.parametrize("amx_over_sdpa,expected", [([0.5, 0.6], "amx"), ([0.97, 0.98], "sdpa"), ([1.3, 1.2], "sdpa")])
-def test_the_amx_kernel_only_where_clearly_faster(monkeypatch, amx_over_sdpa, expected):
-    monkeypatch.setattr(prefill_attention, "amx_applies", lambda *a: True)
-    monkeypatch.setattr(prefill_attention, "time_kernels", scripted(amx_over_sdpa))
-    assert prefill_attention.choose_prefill_attention("auto", "cpu", "cpu", *ARGS) == expected
+@pytest.mark.parametrize("kernel", C_KERNELS)
+@pytest.mark.parametrize("kernel_over_sdpa,faster", [([0.5, 0.6], True), ([0.97, 0.98], False), ([1.3, 1.2], False)])
+def test_a_c_kernel_only_where_clearly_faster(monkeypatch, kernel, kernel_over_sdpa, faster):
+    monkeypatch.setattr(prefill_attention, "c_kernel_applies", lambda name, *a: name == kernel)
+    monkeypatch.setattr(prefill_attention, "time_kernels", scripted(kernel_over_sdpa))
+    assert prefill_attention.choose_prefill_attention("auto", "cpu", "cpu", *ARGS) == (kernel if faster else "sdpa")
     assert prefill_attention.choose_prefill_attention("sdpa", "cpu", "cpu", *ARGS) == "sdpa"  # as configured
-    assert prefill_attention.choose_prefill_attention("amx", "cpu", "cpu", *ARGS) == "amx"
+    assert prefill_attention.choose_prefill_attention(kernel, "cpu", "cpu", *ARGS) == kernel
+
+
+def test_each_candidate_meets_the_best_so_far(monkeypatch):
+    """AMX, then AVX512-BF16, then paged, each timed against the fastest before it."""
+    monkeypatch.setattr(prefill_attention, "c_kernel_applies", lambda name, *a: True)
+    timed = []
+    ratios = iter([[0.5, 0.5], [0.97, 0.97], [0.5, 0.5]])  # amx / sdpa, avx512 / amx (not 5% faster), paged / amx
+    monkeypatch.setattr(prefill_attention, "time_kernels",
+                        lambda a, b, *rest, **kw: timed.append((a, b)) or scripted(next(ratios))())
+    assert prefill_attention.choose_prefill_attention("auto", "cpu", "cpu", *ARGS, kv_dtype="bf16") == "paged"
+    assert timed == [("sdpa", "amx"), ("amx", "avx512"), ("amx", "paged")]
 
 
 def test_too_noisy_or_not_applicable_keeps_sdpa(monkeypatch):
-    monkeypatch.setattr(prefill_attention, "amx_applies", lambda *a: True)
+    monkeypatch.setattr(prefill_attention, "c_kernel_applies", lambda *a: True)
     monkeypatch.setattr(prefill_attention, "time_kernels", scripted([0.5], noisy=True))
     assert prefill_attention.choose_prefill_attention("auto", "cpu", "cpu", *ARGS) == "sdpa"
 
@@ -127,21 +149,24 @@ def test_too_noisy_or_not_applicable_keeps_sdpa(monkeypatch):
     for device, backend, hkv in [("cuda", "triton", 3), ("cpu", "torch", 3), ("cpu", "cpu", 0)]:
         assert prefill_attention.choose_prefill_attention("auto", device, backend, 9, hkv, 64, torch.bfloat16,
                                                           2) == "sdpa"
-    monkeypatch.setattr(prefill_attention, "amx_applies", lambda *a: False)  # a host without AMX, a float32 model
+    monkeypatch.setattr(prefill_attention, "c_kernel_applies", lambda *a: False)  # no AMX / AVX512-BF16, float32
     assert prefill_attention.choose_prefill_attention("auto", "cpu", "cpu", *ARGS) == "sdpa"
     with pytest.raises(ConfigError, match="AMX"):
         prefill_attention.choose_prefill_attention("amx", "cpu", "cpu", *ARGS)
+    with pytest.raises(ConfigError, match="AVX512-BF16"):
+        prefill_attention.choose_prefill_attention("avx512", "cpu", "cpu", *ARGS)
 
 
-def test_applies_exactly_where_the_host_has_amx():
-    assert prefill_attention.amx_applies(9, 3, 64, torch.bfloat16) == AMX
-    assert not prefill_attention.amx_applies(9, 3, 64, torch.float32)
-    assert not prefill_attention.amx_applies(9, 3, 40, torch.bfloat16)
+@pytest.mark.parametrize("kernel", C_KERNELS)
+def test_applies_exactly_where_the_kernel_runs(kernel):
+    assert prefill_attention.c_kernel_applies(kernel, 9, 3, 64, torch.bfloat16) == RUNS[kernel]
+    assert not prefill_attention.c_kernel_applies(kernel, 9, 3, 64, torch.float32)
+    assert not prefill_attention.c_kernel_applies(kernel, 9, 3, 40, torch.bfloat16)
 
 
-@pytest.mark.parametrize("candidate", ["amx", "paged"])
+@pytest.mark.parametrize("candidate", ["amx", "avx512", "paged"])
 def test_the_probe_times_both_kernels_and_restores_the_choice(restore_kernel, candidate):
-    cpu_attention.set_prefill_kernel("sdpa")  # (without AMX the "amx" cases run SDPA: a ratio near 1)
+    cpu_attention.set_prefill_kernel("sdpa")  # (where a C kernel does not run, its cases run SDPA: a ratio near 1)
     threads = torch.get_num_threads()
     comparison = prefill_attention.time_kernels("sdpa", candidate, 9, 3, 64, 1, budget_s=5.0)
     assert comparison.rounds and all(r > 0 for r in comparison.rounds)
@@ -164,7 +189,7 @@ def test_the_paged_probe_runs_what_serving_runs(monkeypatch):
 
 @pytest.mark.parametrize("paged_over_best,expected", [([0.5, 0.6], "paged"), ([0.97, 0.98], "sdpa")])
 def test_the_paged_kernel_only_where_clearly_faster(monkeypatch, paged_over_best, expected):
-    monkeypatch.setattr(prefill_attention, "amx_applies", lambda *a: False)
+    monkeypatch.setattr(prefill_attention, "c_kernel_applies", lambda *a: False)
     timed = []
     monkeypatch.setattr(prefill_attention, "time_kernels",
                         lambda a, b, *rest, **kw: timed.append((a, b)) or scripted(paged_over_best)())
@@ -182,8 +207,8 @@ def test_the_paged_kernel_only_where_clearly_faster(monkeypatch, paged_over_best
 
 def test_a_bf16_engine_prefills_as_exactly_with_either_kernel(smollm_hf, prompt_ids):
     """End to end: a bf16 engine prefilling in chunks of 48 tokens (so chunks after the first merge with their cached
-    prefix) gives prompt logprobs as close to transformers' fp32 ones with the AMX kernel as with SDPA. Without AMX,
-    asking for the kernel is refused at start-up."""
+    prefix) gives prompt logprobs as close to transformers' fp32 ones with each C kernel as with SDPA. Where one does
+    not run, asking for it is refused at start-up."""
     from tokenmill import LLM, SamplingParams
 
     def run(kernel: str) -> list[list]:
@@ -204,9 +229,10 @@ def test_a_bf16_engine_prefills_as_exactly_with_either_kernel(smollm_hf, prompt_
     sdpa, paged = error(run("sdpa")), error(run("paged"))
     assert max(len(p) for p in prompt_ids) > 96  # some prompt came in three chunks or more
     assert paged <= 1.25 * sdpa + 0.01, (paged, sdpa)
-    if not AMX:
-        with pytest.raises(ConfigError, match="AMX"):
-            run("amx")
-        return
-    amx = error(run("amx"))
-    assert amx <= 1.25 * sdpa + 0.01, (amx, sdpa)
+    for kernel, needs in (("amx", "AMX"), ("avx512", "AVX512-BF16")):
+        if not RUNS[kernel]:
+            with pytest.raises(ConfigError, match=needs):
+                run(kernel)
+            continue
+        own = error(run(kernel))
+        assert own <= 1.25 * sdpa + 0.01, (kernel, own, sdpa)

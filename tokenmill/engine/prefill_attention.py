@@ -1,9 +1,10 @@
 """Which kernel runs a CPU prefill chunk's attention (kernels/cpu_attention.py): PyTorch's flash SDPA over its own
-tokens; the AMX tile kernel of kernels/cpu/prefill_attention.c where the build and the host have AMX and the model
-computes in bf16; or "paged", the cache kernel of kernels/cpu/paged_attention.c with the chunk as a causal segment
-of its sequence (a bf16 model over a bf16 cache). Settled at start-up by timing each candidate against the best so
-far at the model's head layout over a busy step's chunk and a long prompt's; SDPA (what always ran before) stays
-unless another is clearly faster, or when the machine is too noisy to tell.
+tokens; the kernel of kernels/cpu/prefill_attention.c for a model that computes in bf16, on AMX tiles ("amx": where
+the build and the host have AMX) or in zmm registers ("avx512": where the build has AVX512-BF16); or "paged", the
+cache kernel of kernels/cpu/paged_attention.c with the chunk as a causal segment of its sequence (a bf16 model over a
+bf16 cache). Settled at start-up by timing each candidate against the best so far at the model's head layout over a
+busy step's chunk and a long prompt's; SDPA (what always ran before) stays unless another is clearly faster, or when
+the machine is too noisy to tell.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from tokenmill.config import ConfigError
 from tokenmill.engine.probe import Clock, Comparison, compare
-from tokenmill.kernels.cpu_attention import amx_prefill_attention, own_tokens_attention, paged_prefill_applies, \
+from tokenmill.kernels.cpu_attention import c_prefill_attention, own_tokens_attention, paged_prefill_applies, \
     prefill_kernel, set_prefill_kernel, step_arguments, step_attention_bf16
 from tokenmill.kvcache.cache import STORAGE_DTYPES
 
@@ -32,16 +33,18 @@ PROBE_LENGTHS = (256, 1024)
 def choose_prefill_attention(mode: str, device: str, backend: str, num_heads: int, num_kv_heads: int, head_dim: int,
                              dtype: torch.dtype, threads: int, clock: Clock = time.perf_counter,
                              kv_dtype: str | None = None, block_size: int = 16) -> str:
-    """"sdpa" | "amx" | "paged": ``mode`` itself unless "auto" (ConfigError for a kernel that cannot run); "sdpa"
-    where the C kernels do not run (a GPU, the PyTorch references, MLA models: ``num_kv_heads`` 0) or neither other
+    """"sdpa" | "amx" | "avx512" | "paged": ``mode`` itself unless "auto" (ConfigError for a kernel that cannot run);
+    "sdpa" where the C kernels do not run (a GPU, the PyTorch references, MLA models: ``num_kv_heads`` 0) or no other
     kernel applies. ``kv_dtype`` (the settled KV cache dtype; None: not known, so "paged" is not a candidate) and
     ``block_size`` are the cache's."""
     cpu = device == "cpu" and backend == "cpu" and num_kv_heads > 0
-    candidates = {"amx": cpu and amx_applies(num_heads, num_kv_heads, head_dim, dtype),
+    candidates = {"amx": cpu and c_kernel_applies("amx", num_heads, num_kv_heads, head_dim, dtype),
+                  "avx512": cpu and c_kernel_applies("avx512", num_heads, num_kv_heads, head_dim, dtype),
                   "paged": cpu and paged_prefill_applies(dtype, STORAGE_DTYPES.get(kv_dtype))}
-    if mode == "amx" and not candidates["amx"]:
-        raise ConfigError("--prefill-attention amx needs a CPU with AMX, the C kernels (kernel_backend cpu), a bf16 "
-                          "model with a head size that is a multiple of 32, and no MLA")
+    for kernel, needs in (("amx", "a CPU with AMX"), ("avx512", "a CPU with AVX512-BF16")):
+        if mode == kernel and not candidates[kernel]:
+            raise ConfigError(f"--prefill-attention {kernel} needs {needs}, the C kernels (kernel_backend cpu), a "
+                              f"bf16 model with a head size that is a multiple of 32 (at most 256), and no MLA")
     if mode == "paged" and not candidates["paged"]:
         raise ConfigError("--prefill-attention paged needs the C kernels (kernel_backend cpu), a bf16 model over a "
                           "bf16 KV cache, and no MLA")
@@ -62,12 +65,13 @@ def choose_prefill_attention(mode: str, device: str, backend: str, num_heads: in
     return chosen
 
 
-def amx_applies(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether the AMX kernel runs this model's chunks here (it answers None where it does not)."""
+def c_kernel_applies(kernel: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether prefill_attention.c's ``kernel`` build runs this model's chunks here (it answers None where it does
+    not)."""
     if dtype is not torch.bfloat16 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         return False
     q, kv = torch.zeros(2, num_heads, head_dim, dtype=dtype), torch.zeros(2, num_kv_heads, head_dim, dtype=dtype)
-    return amx_prefill_attention(q, kv, kv, 1.0) is not None
+    return c_prefill_attention(kernel, q, kv, kv, 1.0) is not None
 
 
 def time_kernels(a: str, b: str, num_heads: int, num_kv_heads: int, head_dim: int, threads: int,
@@ -93,9 +97,9 @@ def time_kernels(a: str, b: str, num_heads: int, num_kv_heads: int, head_dim: in
 
 def _chunk_work(kernel: str, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                 block_size: int) -> Callable[[], None]:
-    """One prompt's attention (qkv [L, Hq + 2 Hkv, D] bf16) as ``kernel`` serves it: the own-token pass of "sdpa" and
-    "amx"; for "paged", the cache kernel over a cache holding the prompt's K/V (the attention op writes them there
-    whatever the kernel), the prompt one causal segment."""
+    """One prompt's attention (qkv [L, Hq + 2 Hkv, D] bf16) as ``kernel`` serves it: the own-token pass of "sdpa",
+    "amx" and "avx512"; for "paged", the cache kernel over a cache holding the prompt's K/V (the attention op writes
+    them there whatever the kernel), the prompt one causal segment."""
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     sm_scale = head_dim ** -0.5
     if kernel != "paged":

@@ -21,8 +21,9 @@ What is settled, and how ``auto`` resolves:
   are quantized at every row count;
 - CPU decode attention's prefetch target: the next cache block asked into the L1 or only the L2, whichever the
   kernel ran faster at the model's head layout, timed here (engine/attention_prefetch.py);
-- CPU prefill attention: PyTorch's flash SDPA over a chunk's own tokens, the AMX tile kernel, or the paged decode
-  kernel with causal segments, whichever ran fastest at the model's head layout (engine/prefill_attention.py);
+- CPU prefill attention: PyTorch's flash SDPA over a chunk's own tokens, the tile kernel (on AMX or AVX512-BF16
+  registers), or the paged decode kernel with causal segments, whichever ran fastest at the model's head layout
+  (engine/prefill_attention.py);
 - execution: captured CUDA graphs (one GPU, Triton kernels), a compiled layer stack on a CPU, or eager;
 - drafting: the speculative method, checked against the checkpoint.
 """
@@ -88,7 +89,7 @@ class Settled:
     quant_layouts: QuantLayouts = ()
     # CPU decode attention's prefetch target (engine/attention_prefetch.py): "l1" | "l2".
     attention_prefetch: str = "l1"
-    # CPU prefill attention (engine/prefill_attention.py): "sdpa" | "amx" | "paged".
+    # CPU prefill attention (engine/prefill_attention.py): "sdpa" | "amx" | "avx512" | "paged".
     prefill_attention: str = "sdpa"
 
     def __post_init__(self):  # a broadcast copy may arrive with lists for tuples

@@ -12,10 +12,10 @@ Same contract as kernels/paged_attention.py's reference (shapes, null block, wha
   - "paged": the C kernel over the cache alone, in one causal segment per chunk (the attention op wrote the
     chunk's K/V there first), with the step's decodes in the same call: no own-token pass and no merge. A bf16
     model over a bf16 cache only (an fp8 cache would quantize the chunk's own keys, which the others read exact);
-  - "sdpa" / "amx": the prefix from the cache (a segment of all its queries, no mask needed: every query sees the
-    whole prefix) and the own tokens, unquantized from ``k_new``/``v_new``, causally, through PyTorch's flash SDPA
-    or, on a host with AMX, kernels/cpu/prefill_attention.c; the two partial softmaxes merged by their
-    log-sum-exps.
+  - "sdpa" / "amx" / "avx512": the prefix from the cache (a segment of all its queries, no mask needed: every query
+    sees the whole prefix) and the own tokens, unquantized from ``k_new``/``v_new``, causally, through PyTorch's
+    flash SDPA or kernels/cpu/prefill_attention.c (on AMX tiles, or in zmm registers with AVX512-BF16); the two
+    partial softmaxes merged by their log-sum-exps.
 
 Attention features (kernels/attention_features.py): a decode's window is where its segment starts in the cache,
 soft-capping is applied to every score in the kernel, and sinks scale the finished rows by ``sigmoid(lse - sink)``.
@@ -140,10 +140,12 @@ def _segments(meta: AttentionMetadata, window: int, with_prefills: bool, causal:
 
 
 # The kernel of a prefill chunk's attention, per process: "sdpa" (PyTorch's CPU flash SDPA over its own tokens, through
-# own_tokens_attention), "amx" (kernels/cpu/prefill_attention.c, bf16 on AMX tiles) or "paged" (the paged kernel's
-# causal segments, the prefix with them: see the top of this file); settled once at start-up by timing them
-# (engine/prefill_attention.py).
-PREFILL_KERNELS = ("sdpa", "amx", "paged")
+# own_tokens_attention), "amx" / "avx512" (kernels/cpu/prefill_attention.c, bf16 on AMX tiles / in zmm registers by
+# vdpbf16ps) or "paged" (the paged kernel's causal segments, the prefix with them: see the top of this file); settled
+# once at start-up by timing them (engine/prefill_attention.py).
+PREFILL_KERNELS = ("sdpa", "amx", "avx512", "paged")
+# The own-token kernels of kernels/cpu/prefill_attention.c: PREFILL_KERNELS name -> its C function.
+C_PREFILL_KERNELS = {"amx": "tm_prefill_attention_amx", "avx512": "tm_prefill_attention_avx512"}
 _prefill_kernel = "sdpa"
 
 
@@ -158,13 +160,14 @@ def prefill_kernel() -> str:
     return _prefill_kernel
 
 
-def amx_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-                          chunks: Sequence[tuple[int, int]] | None = None, out: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """own_tokens_attention on AMX tiles for each chunk (start row, length; default: all rows, one chunk) of bf16
-    q [T, Hq, D], k/v [T, Hkv, D] (heads contiguous within a token), in one call -> (out [T, Hq, D] bf16: ``out`` where
-    given, contiguous; lse [T, Hq] float32), the chunks' rows written, others untouched; or None where the kernel does
-    not apply (no AMX in this build or host, another dtype or layout, D not a multiple of 32)."""
+def c_prefill_attention(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                        chunks: Sequence[tuple[int, int]] | None = None, out: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """own_tokens_attention by ``kernel`` (a C_PREFILL_KERNELS name) for each chunk (start row, length; default: all
+    rows, one chunk) of bf16 q [T, Hq, D], k/v [T, Hkv, D] (heads contiguous within a token), in one call -> (out [T,
+    Hq, D] bf16: ``out`` where given, contiguous; lse [T, Hq] float32), the chunks' rows written, others untouched; or
+    None where the kernel does not apply (not in this build or host: AMX, AVX512-BF16; another dtype or layout; D not
+    a multiple of 32)."""
     lib = library()
     if lib is None or not all(t.dtype is torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
                               for t in (q, k, v)):
@@ -177,10 +180,10 @@ def amx_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_
     lse = torch.empty((num_tokens, hq), dtype=torch.float32)
     runs = torch.tensor(chunks if chunks is not None else [(0, num_tokens)], dtype=torch.int64).reshape(-1, 2)
     runs = runs.t().contiguous()  # [2, chunks]: starts, lengths
-    code = lib.tm_prefill_attention_amx(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-                                        v.stride(0), out.data_ptr(), lse.data_ptr(), runs[0].data_ptr(),
-                                        runs[1].data_ptr(), runs.shape[1], hq, k.shape[1], dim, sm_scale,
-                                        torch.get_num_threads())
+    code = getattr(lib, C_PREFILL_KERNELS[kernel])(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
+        lse.data_ptr(), runs[0].data_ptr(), runs[1].data_ptr(), runs.shape[1], hq, k.shape[1], dim, sm_scale,
+        torch.get_num_threads())
     if code == -2:
         raise MemoryError("CPU prefill attention: scratch allocation failed")
     return (out, lse) if code == 0 else None
@@ -190,8 +193,8 @@ def own_tokens_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_s
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's causal attention over its own tokens: q [L, Hq, D], k/v [L, Hkv, D] -> (out [L, Hq, D] in q's
     dtype, lse [L, Hq] float32)."""
-    if _prefill_kernel == "amx":
-        result = amx_prefill_attention(q, k, v, sm_scale)
+    if _prefill_kernel in C_PREFILL_KERNELS:
+        result = c_prefill_attention(_prefill_kernel, q, k, v, sm_scale)
         if result is not None:
             return result
     group = q.shape[1] // k.shape[1]
@@ -243,10 +246,10 @@ def paged_attention_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = prefill_chunk_attention(i, q, k_new, v_new, data, scales, meta, sm_scale, features)
         return out
-    if _prefill_kernel == "amx":  # every chunk's own tokens in one call, straight into out
+    if _prefill_kernel in C_PREFILL_KERNELS:  # every chunk's own tokens in one call, straight into out
         chunks = [(meta.query_start_loc[i], meta.query_start_loc[i + 1] - meta.query_start_loc[i])
                   for i in meta.prefill_indices]
-        done = amx_prefill_attention(q, k_new, v_new, sm_scale, chunks, out)
+        done = c_prefill_attention(_prefill_kernel, q, k_new, v_new, sm_scale, chunks, out)
         if done is not None:
             for i, (start, length) in zip(meta.prefill_indices, chunks):
                 if meta.seq_lens[i] > length:  # a cached prefix: merge its part in

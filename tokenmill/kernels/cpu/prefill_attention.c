@@ -5,7 +5,7 @@
 // Layouts (elements, bf16 unless said): a step's rows, of which each chunk holds a run: q row t's [Hq][D] at
 // q + t * q_stride, k / v row t's [Hkv][D] at k + t * k_stride (v likewise), out [T][Hq][D] contiguous, lse [T][Hq]
 // float32 (natural log of the sum of e^(scaled score), as SDPA returns it). A chunk's query i sees its keys 0 .. i.
-// D a multiple of 32.
+// D a multiple of 32, at most 256.
 //
 // How, in transposed form: each KV head's K rows are copied (padded with zeros to a multiple of 32 keys) and its V
 // transposed ([D][keys]), so that both products' A tiles are plain strided loads. Per (query head, block of 16
@@ -15,6 +15,10 @@
 // values, as the decode kernel does) and interleaved in pairs of keys as P^T's B tile, and O^T += V^T P^T in C tiles
 // over the block's float32 accumulator. The running maximum moves only when a block passes it by STALE_MAX, so the
 // accumulator is rarely rescaled.
+//
+// A second build of the same blocks runs where the host has AVX512-BF16 but no AMX (Zen 4; Intel from Cooper Lake):
+// each tile product in zmm registers by vdpbf16ps, the B tile's 16 rows held in registers and A's pairs broadcast
+// from memory (a row of a C tile, 16 floats, is one register); the layouts and the softmax are the AMX build's.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,11 +28,198 @@
 
 int tm_amx_available(void);  // quant_linear_x16.c: the build has AMX and Linux lets this process use the tiles
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define TM_PREFILL_VEC 1
 #include <immintrin.h>
 
 #define QB 16  // queries a block (the C tiles' 16 columns)
 #define KB 32  // keys a block (two C tiles of S^T; the K dimension of the P V product)
+
+// KV head h's K rows [Lp][D] and V transposed [D][Lp] (rows < L; zero from L to Lp, a multiple of KB): the A tiles
+// of the two products (16 keys x 32 dims; 16 dims x 32 keys) are then plain strided loads.
+static void pack_head(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, int64_t L,
+                      int64_t Lp, int h, int D, uint16_t *kp, uint16_t *vt) {
+    for (int64_t t = 0; t < Lp; t++) {
+        if (t < L)
+            memcpy(kp + t * D, k + t * k_stride + (int64_t)h * D, (size_t)D * 2);
+        else
+            memset(kp + t * D, 0, (size_t)D * 2);
+    }
+    for (int d = 0; d < D; d++)
+        for (int64_t t = 0; t < Lp; t++) vt[d * Lp + t] = t < L ? v[t * v_stride + (int64_t)h * D + d] : 0;
+}
+
+// The running maximum a row's probabilities are taken against moves only when a block's maximum passes it by more
+// than this (log2 units): until then probabilities reach up to 2^12 (as exact in float32 and bf16 as any), and the
+// accumulators are not rescaled block after block.
+#define STALE_MAX 12.0f
+
+// 2^x for -127 <= x <= STALE_MAX (any finite x works; -inf does not: clamp it first): 2^n 2^r with |r| <= 1/2,
+// 2^r by a degree-4 polynomial (Taylor's; relative error < 5e-5, far below the 2^-8 of the bf16 rounding the
+// probabilities get next), 2^n by vscalefps.
+static inline __m512 exp2_16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(9.6181291e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24022651f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.69314718f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// One query block's running softmax state: m each query's running maximum in log2 units (score * scale * log2 e),
+// l its sum of rounded probabilities.
+typedef struct {
+    __m512 m, l;
+} row_state;
+
+// Q^T's B tiles of the queries q0 .. q0 + rows - 1 of head hq (zero past rows): qt [D / 32][16 dim pairs][16
+// queries] of bf16 pairs, each register of 16 queries' pair gathered from their rows (q_stride even: D is).
+static void layout_q(const uint16_t *q, int64_t q_stride, int hq, int D, int64_t q0, int rows, uint32_t *qt) {
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32((int)(q_stride / 2)));
+    const __mmask16 live = rows >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rows) - 1);
+    const uint16_t *base = q + q0 * q_stride + (int64_t)hq * D;
+    for (int p = 0; p < D / 2; p++)  // pair p: dims 2p, 2p + 1 (chunk p / 16, pair p % 16 within it)
+        _mm512_store_si512((void *)(qt + p * 16),
+                           _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, base + 2 * p, 4));
+}
+
+// The key block at k0 given its raw scores s [KB][16] (S^T): the rows' state moves on and pt (P^T's B tile: row j =
+// keys 2j, 2j + 1 of each query, interleaved) gets the block's probabilities 2^(s c - m), rounded to bf16. Returns
+// the rows whose maximum moved, with *correction the factor their accumulators must take (the caller's to apply).
+static inline __mmask16 softmax_block(const float *s, int64_t k0, int64_t q0, __m512 c, row_state *st,
+                                      __m512 *correction, __m512i *pt) {
+    const __m512 neg = _mm512_set1_ps(-INFINITY);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bf16 1.0
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    // key k0 + j is seen by queries q0 + r for r >= k0 + j - q0 (k0 <= q0: every query sees key k0); blocks wholly
+    // below the diagonal need no mask
+    const int diagonal = k0 + KB - 1 > q0;
+    __mmask16 seen[KB];
+    __m512 top = neg;  // the block's largest raw score per query
+    if (diagonal) {
+        for (int j = 0; j < KB; j++) {
+            const int64_t from = k0 + j - q0;
+            seen[j] = from <= 0 ? (__mmask16)0xFFFF : from >= 16 ? 0 : (__mmask16)(0xFFFFu << from);
+            top = _mm512_mask_max_ps(top, seen[j], top, _mm512_loadu_ps(s + 16 * j));
+        }
+    } else {
+        for (int j = 0; j < KB; j++) top = _mm512_max_ps(top, _mm512_loadu_ps(s + 16 * j));
+    }
+    top = _mm512_mul_ps(top, c);
+    const __mmask16 moved = _mm512_cmp_ps_mask(top, _mm512_add_ps(st->m, _mm512_set1_ps(STALE_MAX)), _CMP_GT_OQ);
+    if (moved) {  // those rows' maximum moves to the block's: their sums (here) and accumulators are rescaled
+        const __m512 m_new = _mm512_mask_mov_ps(st->m, moved, top);
+        // 1 where not moved; 0 from -inf (the first block)
+        *correction = exp2_16(_mm512_max_ps(_mm512_sub_ps(st->m, m_new), _mm512_set1_ps(-127.0f)));
+        st->l = _mm512_mul_ps(st->l, *correction);
+        st->m = m_new;
+    }
+    for (int j = 0; j < KB; j += 2) {  // keys j and j + 1 interleaved
+        __m512 p0 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * j), c, st->m));
+        __m512 p1 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * (j + 1)), c, st->m));
+        if (diagonal) {
+            p0 = _mm512_maskz_mov_ps(seen[j], p0);
+            p1 = _mm512_maskz_mov_ps(seen[j + 1], p1);
+        }
+        pt[j / 2] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        st->l = _mm512_dpbf16_ps(st->l, (__m512bh)pt[j / 2], ones);  // + both rounded probabilities
+    }
+    return moved;
+}
+
+// acc [D][16] *= correction, each row.
+static inline void rescale(float *acc, int D, __m512 correction) {
+    for (int d = 0; d < D; d++) _mm512_storeu_ps(acc + d * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + d * 16),
+                                                                           correction));
+}
+
+// The rows' outputs acc / l, rounded to bf16 (nearest even), and their log-sum-exps (lse may be NULL).
+static void finish_block(const float *acc, row_state st, int rows, int64_t q0, int Hq, int hq, int D, uint16_t *out,
+                         float *lse) {
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), st.l);  // every row < rows saw key 0: its sum is positive
+    uint16_t done[256][16];  // [d][query]: acc's layout, rounded
+    for (int d = 0; d < D; d++)
+        _mm256_storeu_si256((__m256i *)done[d], (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + d * 16),
+                                                                                       inv)));
+    for (int r = 0; r < rows; r++) {
+        uint16_t *o = out + ((q0 + r) * Hq + hq) * (int64_t)D;
+        for (int d = 0; d < D; d++) o[d] = done[d][r];
+    }
+    if (lse) {
+        float row_max[QB], row_sum[QB];
+        _mm512_storeu_ps(row_max, _mm512_mul_ps(st.m, _mm512_set1_ps(0.69314718056f)));  // natural-log units
+        _mm512_storeu_ps(row_sum, st.l);
+        for (int r = 0; r < rows; r++) lse[(q0 + r) * Hq + hq] = row_max[r] + logf(row_sum[r]);
+    }
+}
+
+typedef uint32_t pair_t __attribute__((may_alias, aligned(2)));  // two bf16 of a row, read as one dword
+
+// S^T's rows of the KEYS keys from k0 into s [KB][16]: each key's scores (16 queries) a register; for each 32 dims, Q^T's
+// 16 pairs of rows in registers and each key's pair of dims broadcast (8 independent chains of products).
+static inline __attribute__((always_inline)) void scores(const uint16_t *kp, int D, int64_t k0, const uint32_t *qt,
+                                                         float *s, const int KEYS) {
+    for (int g = 0; g < KEYS; g += 8) {
+        __m512 sk[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) sk[i] = _mm512_setzero_ps();
+        for (int cc = 0; cc < D / 32; cc++) {
+            __m512bh b[16];
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) b[j] = (__m512bh)_mm512_load_si512((const void *)(qt + (cc * 16 + j) * 16));
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++)
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++) {
+                    const pair_t *krow = (const pair_t *)(kp + (k0 + g + i) * D + 32 * cc);
+                    sk[i] = _mm512_dpbf16_ps(sk[i], (__m512bh)_mm512_set1_epi32((int)krow[j]), b[j]);
+                }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) _mm512_store_ps(s + 16 * (g + i), sk[i]);
+    }
+}
+
+// acc [D][16] (O^T) += V^T P^T over the first PAIRS pairs of keys from k0, 8 dims at a time: each dim's row (16
+// queries) a register, P^T's pairs in registers, each dim's pair of keys broadcast.
+static inline __attribute__((always_inline)) void values(const uint16_t *vt, int64_t Lp, int D, int64_t k0,
+                                                         const __m512i *pt, float *acc, const int PAIRS) {
+    for (int d0 = 0; d0 < D; d0 += 8) {
+        __m512 o[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) o[i] = _mm512_loadu_ps(acc + (d0 + i) * 16);
+#pragma GCC unroll 16
+        for (int j = 0; j < PAIRS; j++)
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) {
+                const pair_t *vrow = (const pair_t *)(vt + (d0 + i) * Lp + k0);
+                o[i] = _mm512_dpbf16_ps(o[i], (__m512bh)_mm512_set1_epi32((int)vrow[j]), (__m512bh)pt[j]);
+            }
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) _mm512_storeu_ps(acc + (d0 + i) * 16, o[i]);
+    }
+}
+
+// The query block at q0 (its Q^T in qt) over keys 0 .. last, in zmm registers: s [KB][16] float32 scratch, acc [D][16]
+// float32 (O^T, unnormalized), st the rows' softmax state.
+static void keys_vec(const uint16_t *kp, const uint16_t *vt, int64_t Lp, int D, int64_t q0, int64_t last, __m512 c,
+                     const uint32_t *qt, float *s, float *acc, row_state *st) {
+    __m512i pt[KB / 2];
+    for (int64_t k0 = 0; k0 <= last; k0 += KB) {
+        scores(kp, D, k0, qt, s, KB);
+        __m512 correction;
+        if (softmax_block(s, k0, q0, c, st, &correction, pt)) rescale(acc, D, correction);
+        values(vt, Lp, D, k0, pt, acc, KB / 2);
+    }
+}
+#endif
+
+#if defined(TM_PREFILL_VEC) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TM_PREFILL_AMX 1
 
 // GCC's tile intrinsics paste their tile number into the assembly: literal numbers only.
 // S0 / S1: S^T's two C tiles; A: a K or V^T tile; B: a Q^T tile, then P^T's; 4 .. 7: O^T's C tiles for 4 chunks of 16
@@ -64,113 +255,30 @@ static inline void pv_product(const uint16_t *vt, int64_t Lp, int64_t k0, int dc
 #undef PV
 }
 
-// KV head h's K rows [Lp][D] and V transposed [D][Lp] (rows < L; zero from L to Lp, a multiple of KB): the A tiles
-// of the two products (16 keys x 32 dims; 16 dims x 32 keys) are then plain strided loads.
-static void pack_head(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, int64_t L,
-                      int64_t Lp, int h, int D, uint16_t *kp, uint16_t *vt) {
-    for (int64_t t = 0; t < Lp; t++) {
-        if (t < L)
-            memcpy(kp + t * D, k + t * k_stride + (int64_t)h * D, (size_t)D * 2);
-        else
-            memset(kp + t * D, 0, (size_t)D * 2);
-    }
-    for (int d = 0; d < D; d++)
-        for (int64_t t = 0; t < Lp; t++) vt[d * Lp + t] = t < L ? v[t * v_stride + (int64_t)h * D + d] : 0;
-}
-
-// The running maximum a row's probabilities are taken against moves only when a block's maximum passes it by more
-// than this (log2 units): until then probabilities reach up to 2^12 (as exact in float32 and bf16 as any), and the
-// accumulators are not rescaled block after block.
-#define STALE_MAX 12.0f
-
-// 2^x for -127 <= x <= STALE_MAX (any finite x works; -inf does not: clamp it first): 2^n 2^r with |r| <= 1/2,
-// 2^r by a degree-4 polynomial (Taylor's; relative error < 5e-5, far below the 2^-8 of the bf16 rounding the
-// probabilities get next), 2^n by vscalefps.
-static inline __m512 exp2_16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(9.6181291e-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24022651f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.69314718f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-// Query head hq's block of queries q0 .. q0 + 15 (those < L) over keys 0 .. their last, in transposed form: S^T = K
-// Q^T (a register then holds one key's scores for the 16 queries, so the softmax's maxima and sums are lane-wise),
-// O^T += V^T P^T. qt: [D / 32][16 dim pairs][16 queries][2] scratch, s: [KB][16] float32, acc: [D][16] float32.
-static void query_block(const uint16_t *q, int64_t q_stride, uint16_t *out, float *lse, int64_t L, int Hq, int hq,
-                        int D, int64_t q0, int64_t Lp, const uint16_t *kp, const uint16_t *vt, float sm_scale,
-                        uint32_t *qt, float *s, float *acc) {
+// keys_vec on AMX tiles: S^T in two C tiles, O^T in up to four (or through acc where D > 64).
+static void keys_amx(const uint16_t *kp, const uint16_t *vt, int64_t Lp, int D, int64_t q0, int64_t last, __m512 c,
+                     const uint32_t *qt, float *s, float *acc, row_state *st) {
     const int chunks = D / 32, dchunks = D / 16;
-    const int rows = L - q0 < QB ? (int)(L - q0) : QB;
-    for (int r = 0; r < QB; r++)  // Q^T's B tiles (zero past L)
-        for (int c = 0; c < chunks; c++)
-            for (int j = 0; j < 16; j++) {
-                uint32_t pair = 0;
-                if (r < rows) memcpy(&pair, q + (q0 + r) * q_stride + (int64_t)hq * D + 32 * c + 2 * j, 4);
-                qt[(c * 16 + j) * 16 + r] = pair;
-            }
-    memset(acc, 0, sizeof(float) * (size_t)(D * QB));
-    // m: each query's running maximum in log2 units (score * scale * log2 e); l: its sum of rounded probabilities
-    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
-    const __m512 c = _mm512_set1_ps(sm_scale * 1.44269504089f), neg = _mm512_set1_ps(-INFINITY);
-    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bf16 1.0
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    __m512i pt[KB / 2];  // P^T's B tile: row j = keys 2j, 2j + 1 of each query, interleaved
-    const int64_t last = q0 + rows - 1;
+    __m512i pt[KB / 2];
     const int resident = dchunks <= O_TILES;
     if (resident) move_o(acc, 0, dchunks, 1);
     for (int64_t k0 = 0; k0 <= last; k0 += KB) {
         _tile_zero(T_S0);
         _tile_zero(T_S1);
-        for (int c = 0; c < chunks; c++) {
-            _tile_loadd(T_B, qt + c * 256, 64);
-            _tile_loadd(T_A, kp + k0 * D + 32 * c, D * 2);
+        for (int cc = 0; cc < chunks; cc++) {
+            _tile_loadd(T_B, qt + cc * 256, 64);
+            _tile_loadd(T_A, kp + k0 * D + 32 * cc, D * 2);
             _tile_dpbf16ps(T_S0, T_A, T_B);
-            _tile_loadd(T_A, kp + (k0 + 16) * D + 32 * c, D * 2);
+            _tile_loadd(T_A, kp + (k0 + 16) * D + 32 * cc, D * 2);
             _tile_dpbf16ps(T_S1, T_A, T_B);
         }
         _tile_stored(T_S0, s, 64);
         _tile_stored(T_S1, s + 16 * 16, 64);
-        // key k0 + j is seen by queries q0 + r for r >= k0 + j - q0 (k0 <= q0: every query sees key k0); blocks
-        // wholly below the diagonal need no mask
-        const int diagonal = k0 + KB - 1 > q0;
-        __mmask16 seen[KB];
-        __m512 top = neg;  // the block's largest raw score per query
-        if (diagonal) {
-            for (int j = 0; j < KB; j++) {
-                const int64_t from = k0 + j - q0;
-                seen[j] = from <= 0 ? (__mmask16)0xFFFF : from >= 16 ? 0 : (__mmask16)(0xFFFFu << from);
-                top = _mm512_mask_max_ps(top, seen[j], top, _mm512_loadu_ps(s + 16 * j));
-            }
-        } else {
-            for (int j = 0; j < KB; j++) top = _mm512_max_ps(top, _mm512_loadu_ps(s + 16 * j));
-        }
-        top = _mm512_mul_ps(top, c);
-        const __mmask16 moved = _mm512_cmp_ps_mask(top, _mm512_add_ps(m, _mm512_set1_ps(STALE_MAX)), _CMP_GT_OQ);
-        if (moved) {  // those rows' maximum moves to the block's: their sums and accumulators are rescaled
-            const __m512 m_new = _mm512_mask_mov_ps(m, moved, top);
-            // 1 where not moved; 0 from -inf (the first block)
-            const __m512 correction = exp2_16(_mm512_max_ps(_mm512_sub_ps(m, m_new), _mm512_set1_ps(-127.0f)));
-            l = _mm512_mul_ps(l, correction);
+        __m512 correction;
+        if (softmax_block(s, k0, q0, c, st, &correction, pt)) {
             if (resident) move_o(acc, 0, dchunks, 0);
-            for (int d = 0; d < D; d++) _mm512_storeu_ps(acc + d * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + d * 16),
-                                                                                   correction));
+            rescale(acc, D, correction);
             if (resident) move_o(acc, 0, dchunks, 1);
-            m = m_new;
-        }
-        for (int j = 0; j < KB; j += 2) {  // 2^(s c - m), rounded to bf16, keys j and j + 1 interleaved
-            __m512 p0 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * j), c, m));
-            __m512 p1 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * (j + 1)), c, m));
-            if (diagonal) {
-                p0 = _mm512_maskz_mov_ps(seen[j], p0);
-                p1 = _mm512_maskz_mov_ps(seen[j + 1], p1);
-            }
-            pt[j / 2] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-            l = _mm512_dpbf16_ps(l, (__m512bh)pt[j / 2], ones);  // + both rounded probabilities
         }
         _tile_loadd(T_B, pt, 64);
         if (resident) {
@@ -185,38 +293,45 @@ static void query_block(const uint16_t *q, int64_t q_stride, uint16_t *out, floa
         }
     }
     if (resident) move_o(acc, 0, dchunks, 0);
-    float inv[QB], row_max[QB], row_sum[QB];  // every row < rows saw key 0, so its sum is positive
-    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
-    _mm512_storeu_ps(row_max, _mm512_mul_ps(m, _mm512_set1_ps(0.69314718056f)));  // natural-log units
-    _mm512_storeu_ps(row_sum, l);
-    for (int r = 0; r < rows; r++) {
-        uint16_t *o = out + ((q0 + r) * Hq + hq) * (int64_t)D;
-        for (int d = 0; d < D; d++) {
-            float x = acc[d * 16 + r] * inv[r];
-            uint32_t bits;
-            memcpy(&bits, &x, 4);
-            o[d] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);  // nearest even (x finite)
-        }
-        if (lse) lse[(q0 + r) * Hq + hq] = row_max[r] + logf(row_sum[r]);
-    }
+}
+#endif
+
+#if defined(TM_PREFILL_VEC)
+// Query head hq's block of queries q0 .. q0 + 15 (those < L) over keys 0 .. their last, in transposed form, on AMX
+// tiles (amx) or zmm registers: qt: [D / 32][16 dim pairs][16 queries][2] scratch, s: [KB][16] float32, acc: [D][16]
+// float32.
+static void query_block(const uint16_t *q, int64_t q_stride, uint16_t *out, float *lse, int64_t L, int Hq, int hq,
+                        int D, int64_t q0, int64_t Lp, const uint16_t *kp, const uint16_t *vt, float sm_scale,
+                        uint32_t *qt, float *s, float *acc, int amx) {
+#if !defined(TM_PREFILL_AMX)
+    (void)amx;
+#endif
+    const int rows = L - q0 < QB ? (int)(L - q0) : QB;
+    layout_q(q, q_stride, hq, D, q0, rows, qt);
+    memset(acc, 0, sizeof(float) * (size_t)(D * QB));
+    row_state st = {_mm512_set1_ps(-INFINITY), _mm512_setzero_ps()};
+    const __m512 c = _mm512_set1_ps(sm_scale * 1.44269504089f);
+#if defined(TM_PREFILL_AMX)
+    if (amx)
+        keys_amx(kp, vt, Lp, D, q0, q0 + rows - 1, c, qt, s, acc, &st);
+    else
+#endif
+        keys_vec(kp, vt, Lp, D, q0, q0 + rows - 1, c, qt, s, acc, &st);
+    finish_block(acc, st, rows, q0, Hq, hq, D, out, lse);
 }
 
 // Every chunk c's own-token attention (rows starts[c] .. starts[c] + lens[c] - 1 of q, k, v, out and lse, each chunk
-// on its own: the prefill chunks of one step). Returns 0; -1 where this build or host has no AMX or D is not a
-// multiple of 32; -2 when memory runs out.
-int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+// on its own: the prefill chunks of one step), on AMX tiles (amx) or zmm registers. Returns 0; -2 when memory runs
+// out. The arguments are checked by the callers.
+static int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                              const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
-                             const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads) {
-    if (!tm_amx_available() || D % 32 != 0 || D > 256 || Hkv <= 0 || Hq % Hkv != 0 || chunks <= 0) return -1;
+                             const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads,
+                             int amx) {
     int64_t *offsets = malloc(sizeof(int64_t) * (size_t)(chunks + 1));  // chunk c's packed K / V from offsets[c]
     if (!offsets) return -2;
     int64_t pairs = 0, most = 0;  // (chunk, query block) pairs; the most blocks of a chunk
     offsets[0] = 0;
     for (int c = 0; c < chunks; c++) {
-        if (lens[c] <= 0) {
-            free(offsets);
-            return -1;
-        }
         const int64_t blocks = (lens[c] + QB - 1) / QB;
         offsets[c + 1] = offsets[c] + 2 * Hkv * ((lens[c] + KB - 1) / KB * KB) * D;
         pairs += blocks;
@@ -258,7 +373,9 @@ int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t
 #pragma omp atomic write
             failed = 1;
         }
-        tm_configure_tiles(8);
+#if defined(TM_PREFILL_AMX)
+        if (amx) tm_configure_tiles(8);
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
             if (!qt || !s || !acc) continue;
@@ -267,9 +384,11 @@ int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t
             const int64_t Lp = (lens[c] + KB - 1) / KB * KB;
             const uint16_t *kp = packed + offsets[c] + 2 * h * Lp * D;
             query_block(q + start * q_stride, q_stride, out + start * Hq * D, lse ? lse + start * Hq : NULL, lens[c],
-                        Hq, hq, D, b * QB, Lp, kp, kp + Lp * D, sm_scale, qt, s, acc);
+                        Hq, hq, D, b * QB, Lp, kp, kp + Lp * D, sm_scale, qt, s, acc, amx);
         }
-        _tile_release();
+#if defined(TM_PREFILL_AMX)
+        if (amx) _tile_release();
+#endif
         free(qt);
         free(s);
         free(acc);
@@ -280,12 +399,42 @@ int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t
     return failed ? -2 : 0;
 }
 
-#else
+// The layouts both builds take: 0 if so, -1 if not.
+static int prefill_arguments(const int64_t *lens, int chunks, int Hq, int Hkv, int D) {
+    if (D % 32 != 0 || D > 256 || Hkv <= 0 || Hq % Hkv != 0 || chunks <= 0) return -1;
+    for (int c = 0; c < chunks; c++)
+        if (lens[c] <= 0) return -1;
+    return 0;
+}
+#endif
+
+// Every chunk c's own-token attention on AMX tiles (prefill_attention). Returns 0; -1 where this build or host has
+// no AMX or D is not a multiple of 32 (at most 256); -2 when memory runs out.
 int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                              const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
                              const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads) {
+#if defined(TM_PREFILL_AMX)
+    if (!tm_amx_available() || prefill_arguments(lens, chunks, Hq, Hkv, D) != 0) return -1;
+    return prefill_attention(q, q_stride, k, k_stride, v, v_stride, out, lse, starts, lens, chunks, Hq, Hkv, D,
+                             sm_scale, threads, 1);
+#else
     (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)out; (void)lse; (void)starts;
     (void)lens; (void)chunks; (void)Hq; (void)Hkv; (void)D; (void)sm_scale; (void)threads;
     return -1;
-}
 #endif
+}
+
+// The same on zmm registers (AVX512-BF16): -1 where this build has no AVX512-BF16 or the layout is not taken.
+int tm_prefill_attention_avx512(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                                const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
+                                const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads) {
+#if defined(TM_PREFILL_VEC)
+    if (prefill_arguments(lens, chunks, Hq, Hkv, D) != 0) return -1;
+    return prefill_attention(q, q_stride, k, k_stride, v, v_stride, out, lse, starts, lens, chunks, Hq, Hkv, D,
+                             sm_scale, threads, 0);
+#else
+    (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)out; (void)lse; (void)starts;
+    (void)lens; (void)chunks; (void)Hq; (void)Hkv; (void)D; (void)sm_scale; (void)threads;
+    return -1;
+#endif
+}
