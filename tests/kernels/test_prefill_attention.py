@@ -94,6 +94,8 @@ def test_layouts_the_kernel_does_not_take_are_declined(kernel):
     assert cpu_attention.c_prefill_attention(kernel, wide, wide, wide, 0.1) is None  # D above 256
     transposed = q.transpose(0, 1).contiguous().transpose(0, 1)  # heads not contiguous within a token
     assert cpu_attention.c_prefill_attention(kernel, transposed, q, q, 0.1) is None
+    odd = torch.zeros(4, 4 * 64 + 1, dtype=torch.bfloat16)[:, :4 * 64].unflatten(1, (4, 64))  # rows 257 apart
+    assert cpu_attention.c_prefill_attention(kernel, odd, q, q, 0.1) is None
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "amx", "avx512", "paged"])

@@ -399,9 +399,9 @@ static int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
     return failed ? -2 : 0;
 }
 
-// The layouts both builds take: 0 if so, -1 if not.
-static int prefill_arguments(const int64_t *lens, int chunks, int Hq, int Hkv, int D) {
-    if (D % 32 != 0 || D > 256 || Hkv <= 0 || Hq % Hkv != 0 || chunks <= 0) return -1;
+// The layouts both builds take: 0 if so, -1 if not (q's rows gathered as pairs: an even q_stride).
+static int prefill_arguments(int64_t q_stride, const int64_t *lens, int chunks, int Hq, int Hkv, int D) {
+    if (D % 32 != 0 || D > 256 || Hkv <= 0 || Hq % Hkv != 0 || chunks <= 0 || q_stride % 2 != 0) return -1;
     for (int c = 0; c < chunks; c++)
         if (lens[c] <= 0) return -1;
     return 0;
@@ -409,12 +409,12 @@ static int prefill_arguments(const int64_t *lens, int chunks, int Hq, int Hkv, i
 #endif
 
 // Every chunk c's own-token attention on AMX tiles (prefill_attention). Returns 0; -1 where this build or host has
-// no AMX or D is not a multiple of 32 (at most 256); -2 when memory runs out.
+// no AMX or the layout is not taken (prefill_arguments); -2 when memory runs out.
 int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                              const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
                              const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads) {
 #if defined(TM_PREFILL_AMX)
-    if (!tm_amx_available() || prefill_arguments(lens, chunks, Hq, Hkv, D) != 0) return -1;
+    if (!tm_amx_available() || prefill_arguments(q_stride, lens, chunks, Hq, Hkv, D) != 0) return -1;
     return prefill_attention(q, q_stride, k, k_stride, v, v_stride, out, lse, starts, lens, chunks, Hq, Hkv, D,
                              sm_scale, threads, 1);
 #else
@@ -429,7 +429,7 @@ int tm_prefill_attention_avx512(const uint16_t *q, int64_t q_stride, const uint1
                                 const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
                                 const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads) {
 #if defined(TM_PREFILL_VEC)
-    if (prefill_arguments(lens, chunks, Hq, Hkv, D) != 0) return -1;
+    if (prefill_arguments(q_stride, lens, chunks, Hq, Hkv, D) != 0) return -1;
     return prefill_attention(q, q_stride, k, k_stride, v, v_stride, out, lse, starts, lens, chunks, Hq, Hkv, D,
                              sm_scale, threads, 0);
 #else
