@@ -75,7 +75,8 @@ typedef struct {
 } row_state;
 
 // Q^T's B tiles of the queries q0 .. q0 + rows - 1 of head hq (zero past rows): qt [D / 32][16 dim pairs][16
-// queries] of bf16 pairs, each register of 16 queries' pair gathered from their rows (q_stride even: D is).
+// queries] of bf16 pairs, each register of 16 queries' pair gathered from their rows (q_stride even: the callers
+// check it).
 static void layout_q(const uint16_t *q, int64_t q_stride, int hq, int D, int64_t q0, int rows, uint32_t *qt) {
     const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                _mm512_set1_epi32((int)(q_stride / 2)));
