@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.gated_activation import silu_mul
+from tokenmill.kernels.rotary import rope_qk_inplace
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,24 @@ _library.impl("cpu_linear_silu_mul", _cpu_linear_silu_mul, "CPU")
 @torch.library.register_fake("tokenmill::cpu_linear_silu_mul")
 def _(x, index, intermediate):
     return x.new_empty(*x.shape[:-1], intermediate)
+
+
+def _cpu_linear_rope(x: torch.Tensor, index: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     q_heads: int, kv_heads: int, out_features: int) -> torch.Tensor:
+    """An attention layer's fused qkv projection (layer ``index``, features [q | k | v]) with its q and k heads
+    rotated where the projection wrote them (kernels/rotary.py): [T, in] -> [T, out_features]. One call from the
+    graph, and no copies of q and k."""
+    return rope_qk_inplace(_cpu_linear(x, index, out_features), positions, cos, sin, q_heads, kv_heads)
+
+
+_library.define("cpu_linear_rope(Tensor x, int index, Tensor positions, Tensor cos, Tensor sin, int q_heads, "
+                "int kv_heads, int out_features) -> Tensor")
+_library.impl("cpu_linear_rope", _cpu_linear_rope, "CPU")
+
+
+@torch.library.register_fake("tokenmill::cpu_linear_rope")
+def _(x, index, positions, cos, sin, q_heads, kv_heads, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def pack_linears(model: nn.Module, packed_from_rows: dict[tuple[int, int], int | None],

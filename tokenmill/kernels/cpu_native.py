@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "cpu" / name
                 for name in ("paged_attention.c", "prefill_attention.c", "quant_linear.c", "quant_linear_x16.c",
-                             "argmax.c", "gated_activation.c"))
+                             "argmax.c", "gated_activation.c", "rotary.c"))
 # Included by the sources: part of what a build (and a measurement of it) is keyed on.
 HEADERS = (Path(__file__).parent / "cpu" / "simd_common.h",)
 # fast-math's reassociation lets the reductions and expf vectorize (glibc's libmvec); finite sentinels are used in
@@ -125,6 +125,12 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
     lib.tm_silu_mul.restype = None
     lib.tm_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                 ctypes.c_int, ctypes.c_int]
+    lib.tm_rope_qk.restype = ctypes.c_int
+    lib.tm_rope_qk.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     for name in ("tm_prefill_attention_amx", "tm_prefill_attention_avx512"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int

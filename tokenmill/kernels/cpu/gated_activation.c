@@ -18,21 +18,6 @@
 #define SPAN 512          // outputs of one row a work item covers
 #define MIN_PARALLEL 8192 // fewer outputs than this run on the calling thread
 
-static inline float bf16_value(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-// float32 -> bf16, rounded to nearest even (NaN stays a NaN).
-static inline uint16_t bf16_bits(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 // e^-g held below e^87, as the vector loop's: no inf / inf (the build assumes finite math)
 static inline float silu_times(float g, float u) { return g / (1.0f + expf(fminf(-g, 87.0f))) * u; }
 
@@ -72,7 +57,7 @@ static void span_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, i
 #endif
     }
 #endif
-    for (; i < n; i++) out[i] = bf16_bits(silu_times(bf16_value(gate[i]), bf16_value(up[i])));
+    for (; i < n; i++) out[i] = tm_bf16_bits(silu_times(tm_bf16_value(gate[i]), tm_bf16_value(up[i])));
 }
 
 // gu [rows][gu_stride] (elements; gate at columns 0 .. inter - 1, up at inter .. 2 inter - 1) -> out [rows][inter],

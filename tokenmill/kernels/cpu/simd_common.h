@@ -5,6 +5,22 @@
 #include <stdint.h>
 #include <string.h>
 
+// bf16 bits -> the float32 of the same value (exact).
+static inline float tm_bf16_value(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// float32 -> bf16 bits, rounded to nearest even (NaN stays a NaN).
+static inline uint16_t tm_bf16_bits(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 

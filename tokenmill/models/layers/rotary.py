@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.kernels.rotary import rope_qk, rotate_reference  # also registers torch.ops.tokenmill.rope_qk
+
 
 def _default(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
@@ -88,11 +90,14 @@ class RotaryEmbedding:
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] (D >= rot_dim), positions [T] -> rotated copy in x's dtype."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rot_dim/2]
-        sin = self.sin[positions].unsqueeze(1)
-        half = self.rot_dim // 2
-        x1, x2 = x[..., :half].float(), x[..., half:self.rot_dim].float()
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        if self.rot_dim == x.shape[-1]:
-            return rotated
-        return torch.cat([rotated, x[..., self.rot_dim:]], dim=-1)
+        return rotate_reference(x, positions, self.cos, self.sin)
+
+    def apply_qk(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``apply`` to a step's queries and keys; with the "cpu" kernel backend on a CPU, both in one C call (compiled:
+        the op ``tokenmill::rope_qk``, which inductor leaves alone)."""
+        if backend != "cpu" or q.device.type != "cpu":
+            return self.apply(q, positions), self.apply(k, positions)
+        if torch.compiler.is_compiling():
+            return torch.ops.tokenmill.rope_qk(q, k, positions, self.cos, self.sin)
+        return rope_qk(q, k, positions, self.cos, self.sin)
