@@ -181,3 +181,9 @@ def test_fused_projection_op_is_the_projection_then_the_rotation():
     assert ulps_apart(got[:, :hq * dim], want_q).max().item() <= 1
     assert ulps_apart(got[:, hq * dim:(hq + hk) * dim], want_k).max().item() <= 1
     assert torch.equal(got[:, (hq + hk) * dim:], v)
+
+
+def test_in_place_rejects_features_that_are_not_whole_heads():
+    rotary = RotaryEmbedding(64, 16, {"rope_theta": 10000.0, "rope_type": "default"})
+    with pytest.raises(ValueError, match="heads"):
+        rotary_kernels.rope_qk_inplace(torch.zeros(2, 301), torch.arange(2), rotary.cos, rotary.sin, 2, 1)

@@ -1,7 +1,10 @@
 """Rotary embeddings of a step's queries and keys together: the C kernel of kernels/cpu/rotary.c on a CPU where the
-kernels build, else the reference (models/layers/rotary.py's ``rotate``). Registered as the op
-``tokenmill::rope_qk`` so that a compiled graph calls the C kernel where inductor would otherwise generate its own
-loop (its gather of the cos / sin rows by position ran partly in scalar loops)."""
+kernels build, else the reference (``rotate_reference``, which RotaryEmbedding.apply is). Two forms: ``rope_qk``
+(copies; the op ``tokenmill::rope_qk``, for q and k that were changed after the projection, as by q/k norms) and
+``rope_qk_inplace`` (a fused qkv projection's output rotated where it lies; compiled, inside the projection's op
+``tokenmill::cpu_linear_rope``, kernels/cpu_linear.py). Either way a compiled graph calls the C kernel where
+inductor would otherwise generate its own loop (its gather of the cos / sin rows by position ran partly in scalar
+loops)."""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def _c_usable(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: to
     lib = library() if q.device.type == "cpu" else None
     usable = (lib is not None and _c_ready(q) and _c_ready(k) and k.dtype == q.dtype and k.shape[-1] == q.shape[-1]
               and positions.dtype == torch.int64 and positions.is_contiguous() and cos.dtype == torch.float32
-              and cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape
+              and sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape
               and 0 < 2 * cos.shape[-1] <= q.shape[-1] and q.shape[0] > 0)
     return lib if usable else None
 
@@ -66,6 +69,8 @@ def rope_qk_inplace(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
     few that the C call needs, in the cheapest form.)"""
     width = qkv.shape[-1]
     head_dim = width // (q_heads + 2 * kv_heads)
+    if head_dim * (q_heads + 2 * kv_heads) != width:
+        raise ValueError(f"rotary embedding: {width} features are not {q_heads} + 2 x {kv_heads} heads")
     dtype = qkv.dtype
     lib = library() if qkv.device.type == "cpu" else None
     if lib is None or (dtype is not torch.bfloat16 and dtype is not torch.float32) or not qkv.is_contiguous() \
