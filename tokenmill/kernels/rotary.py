@@ -26,6 +26,13 @@ def rotate_reference(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     return torch.cat([rotated, x[..., rot:]], dim=-1)
 
 
+def _table_ok(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> bool:
+    """Whether the C kernel takes these positions and this cos / sin table for heads of ``head_dim``."""
+    return (positions.dtype is torch.int64 and positions.is_contiguous() and cos.dtype is torch.float32
+            and sin.dtype is torch.float32 and cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape
+            and 0 < 2 * cos.shape[-1] <= head_dim)
+
+
 def _c_ready(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float32)
 
@@ -34,20 +41,21 @@ def _c_usable(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: to
     """The library where the C kernel takes these arguments, else None."""
     lib = library() if q.device.type == "cpu" else None
     usable = (lib is not None and _c_ready(q) and _c_ready(k) and k.dtype == q.dtype and k.shape[-1] == q.shape[-1]
-              and positions.dtype == torch.int64 and positions.is_contiguous() and cos.dtype == torch.float32
-              and sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape
-              and 0 < 2 * cos.shape[-1] <= q.shape[-1] and q.shape[0] > 0)
+              and q.shape[0] > 0 and _table_ok(positions, cos, sin, q.shape[-1]))
     return lib if usable else None
 
 
+def _checked(status: int, cos: torch.Tensor) -> None:
+    if status != 0:
+        raise IndexError(f"rotary embedding: a position outside 0 .. {cos.shape[0] - 1}")
+
+
 def _call(lib, q, k, q_out, k_out, positions, cos, sin) -> None:
-    status = lib.tm_rope_qk(q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(), k.stride(0),
+    _checked(lib.tm_rope_qk(q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(), k.stride(0),
                             k.stride(1), k.shape[1], q_out.data_ptr(), k_out.data_ptr(), q_out.stride(0),
                             k_out.stride(0), q.shape[0], q.shape[-1], 2 * cos.shape[-1], positions.data_ptr(),
                             cos.shape[0], cos.data_ptr(), sin.data_ptr(), int(q.dtype is torch.bfloat16),
-                            torch.get_num_threads())
-    if status != 0:
-        raise IndexError(f"rotary embedding: a position outside 0 .. {cos.shape[0] - 1}")
+                            torch.get_num_threads()), cos)
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -65,8 +73,8 @@ def rope_qk_inplace(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
                     q_heads: int, kv_heads: int) -> torch.Tensor:
     """A fused projection's output [..., (q_heads + 2 kv_heads) * D], its features [q | k | v], with its q and k
     heads rotated where they lie (its v untouched); returns ``qkv``. The caller owns ``qkv`` (a projection's fresh
-    output), and positions has one entry per row. (A decode step makes one such call per layer: the checks are the
-    few that the C call needs, in the cheapest form.)"""
+    output), and positions has one entry per row. (A decode step makes one such call per layer: no views are made on
+    the C path, whose pointers are computed.)"""
     width = qkv.shape[-1]
     head_dim = width // (q_heads + 2 * kv_heads)
     if head_dim * (q_heads + 2 * kv_heads) != width:
@@ -74,9 +82,7 @@ def rope_qk_inplace(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
     dtype = qkv.dtype
     lib = library() if qkv.device.type == "cpu" else None
     if lib is None or (dtype is not torch.bfloat16 and dtype is not torch.float32) or not qkv.is_contiguous() \
-            or positions.dtype is not torch.int64 or not positions.is_contiguous() or cos.dtype is not torch.float32 \
-            or sin.dtype is not torch.float32 or not cos.is_contiguous() or not sin.is_contiguous() \
-            or cos.shape != sin.shape or not 0 < 2 * cos.shape[-1] <= head_dim:
+            or not _table_ok(positions, cos, sin, head_dim):
         rows = qkv.view(-1, width)
         q = rows[:, :q_heads * head_dim].view(-1, q_heads, head_dim)
         k = rows[:, q_heads * head_dim:(q_heads + kv_heads) * head_dim].view(-1, kv_heads, head_dim)
@@ -88,10 +94,9 @@ def rope_qk_inplace(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
         return qkv
     q = qkv.data_ptr()
     k = q + q_heads * head_dim * qkv.element_size()
-    if lib.tm_rope_qk(q, width, head_dim, q_heads, k, width, head_dim, kv_heads, q, k, width, width, tokens, head_dim,
-                      2 * cos.shape[-1], positions.data_ptr(), cos.shape[0], cos.data_ptr(), sin.data_ptr(),
-                      int(dtype is torch.bfloat16), torch.get_num_threads()) != 0:
-        raise IndexError(f"rotary embedding: a position outside 0 .. {cos.shape[0] - 1}")
+    _checked(lib.tm_rope_qk(q, width, head_dim, q_heads, k, width, head_dim, kv_heads, q, k, width, width, tokens,
+                            head_dim, 2 * cos.shape[-1], positions.data_ptr(), cos.shape[0], cos.data_ptr(),
+                            sin.data_ptr(), int(dtype is torch.bfloat16), torch.get_num_threads()), cos)
     return qkv
 
 

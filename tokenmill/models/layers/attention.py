@@ -70,4 +70,4 @@ class PagedGQAttention(nn.Module):
                                                       self.num_kv_heads, self.q_size + 2 * self.kv_size)
             return self._split(qkv, tokens)
         q, k, v = self._split(proj(x), tokens)
-        return (*torch.ops.tokenmill.rope_qk(q, k, positions, rotary.cos, rotary.sin), v)
+        return (*rotary.apply_qk(q, k, positions, self.kernels.backend), v)
