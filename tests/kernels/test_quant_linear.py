@@ -197,7 +197,8 @@ def test_the_avx2_build_on_an_avx512_host():
                            "print(r())"], env=env, capture_output=True, text=True, timeout=300)
     assert rows.stdout.strip() == "8", rows.stderr[-2000:]
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                            "kernel_matches_reference or held_interleaved or other_activation or bf16_calls"],
+                            "kernel_matches_reference or held_interleaved or other_activation or bf16_calls or "
+                           "gguf_blocks or symmetric"],
                            env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and " failed" not in tests.stdout
@@ -265,6 +266,35 @@ def test_kernel_on_gguf_blocks(type_name):
         ref = quant_linear_reference(x, fmt, t["qweight"], t["scales"], t.get("mins"), int8_activations=True)
         got = quant_linear_cpu(x, fmt, t["qweight"], t["scales"], t.get("mins"))
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g64", "int8-ch", "int8-g64-zp"])
+@pytest.mark.parametrize("rows", [1, 5, 17, 131])
+def test_symmetric_weights_take_the_zero_point_off_in_integers(name, rows):
+    """int4 whose every min is -8 * scale (GGUF's Q4_0) and int8 whose mins are absent or 0 leave out the min term
+    (the interleaved kernel subtracts offset * the x codes' sum in integers): the reference's products either way,
+    and one min off by a step sends the weight back to the general form."""
+    from tokenmill.kernels.quant_linear import CPUQuantMatmul
+    fmt = WeightFormat.parse(name)
+    t = weights(fmt, 37, 160, seed=rows)
+    if fmt.kind == "int4":
+        t["mins"] = (t["scales"].float() * -8).to(t["mins"].dtype)
+    elif t.get("mins") is not None:
+        t["mins"].zero_()
+    x = torch.randn(rows, 160) * 3
+    bias = torch.randn(37)
+    variants = [(t.get("mins"), 1)]
+    if fmt.kind == "int4":  # one group's min a step away from -8 * scale: the general form, the same answer
+        moved = t["mins"].clone()
+        moved[3, 1] -= t["scales"][3, 1]
+        variants.append((moved, 0))
+    for mins, symmetric in variants:
+        kernel = CPUQuantMatmul(fmt, t["qweight"], t["scales"], mins, bias)
+        if x16_register_rows():
+            assert kernel._weight.symmetric == symmetric
+        ref = quant_linear_reference(x, fmt, t["qweight"], t["scales"], mins, bias, int8_activations=True)
+        torch.testing.assert_close(kernel(x), ref, rtol=1e-4, atol=5e-4)
 
 
 @pytest.mark.parametrize("name,expected", [("int4-g32", ("int4", 32, True, False)),

@@ -156,7 +156,7 @@ class X16Weight(ctypes.Structure):
     """kernels/cpu/quant_linear_x16.c's tm_x16_weight: a weight in the interleaved layout."""
     _fields_ = [("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("K", ctypes.c_int64),
                 ("N", ctypes.c_int64), ("G", ctypes.c_int64), ("kind", ctypes.c_int32), ("d_f32", ctypes.c_int32),
-                ("m_f32", ctypes.c_int32), ("amx_from_rows", ctypes.c_int32)]
+                ("m_f32", ctypes.c_int32), ("amx_from_rows", ctypes.c_int32), ("symmetric", ctypes.c_int32)]
 
 
 def x16_register_rows() -> int:

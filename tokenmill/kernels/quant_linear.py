@@ -240,6 +240,17 @@ def unpack_x16(fmt: WeightFormat, q: torch.Tensor, scales: torch.Tensor, mins: t
     return qweight, untiled(scales), untiled(mins) if mins is not None else None
 
 
+def is_symmetric(fmt: WeightFormat, scales: torch.Tensor, mins: torch.Tensor | None) -> bool:
+    """Whether every weight is ``scale * (q - 8)`` (int4 whose mins are all -8 * scale, as GGUF's Q4_0 writes them)
+    or ``scale * q`` (int8 without mins, or with all of them 0): the interleaved kernel then takes the zero point off
+    in integers and skips the min term (kernels/cpu/quant_linear_x16.c)."""
+    if fmt.kind == "int4":
+        return mins is not None and torch.equal(mins.float(), scales.float() * -8)  # exact: a power of two
+    if fmt.kind == "int8":
+        return mins is None or not bool(mins.any())
+    return False
+
+
 def default_tile_rows(out_features: int, threads: int) -> int:
     """Output rows a thread widens at once: 16 (more reuse of each row of x) while every thread still gets four
     tiles, else 4."""
@@ -275,7 +286,7 @@ class CPUQuantMatmul:
                 q=qweight.data_ptr(), d=scales.data_ptr(), m=mins.data_ptr() if mins is not None else None,
                 K=self.in_features, N=self.out_features, G=fmt.group(self.in_features), kind=KINDS[fmt.kind],
                 d_f32=int(scales.dtype == torch.float32), m_f32=int(mins is not None and mins.dtype == torch.float32),
-                amx_from_rows=amx_from_rows)
+                amx_from_rows=amx_from_rows, symmetric=int(is_symmetric(fmt, scales, mins)))
             x16_fn, bias_ptr = lib.tm_quant_linear_x16, bias32.data_ptr() if bias32 is not None else None
             self._fn = lambda weight, x, rows, out, bf16=0: x16_fn(weight, x, rows, bias_ptr, out, bf16)
             self._bf16_io = True

@@ -152,12 +152,13 @@ static void dot_rows(const float *w, const float *x, int64_t M, int64_t K, float
 // --- int4 / int8 weights against int8 activations
 
 // Each row of x [M][K] (float32, or bf16 where x_bf16: widened here, exactly) -> codes xq [M][K] and, per 32-input
-// block, xd = its scale and xs = scale * sum of codes.
+// block, xd = its scale, xs = scale * sum of codes and xsum = the sum of codes (an integer: |xsum| <= 32 * 127).
 // IEEE arithmetic here, whatever the build's flags: the reference divides 127 by amax exactly too, and a code at a
 // rounding tie (x * inv = 57.5 happens) moves with the last bit of inv.
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
-static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs) {
+static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs,
+                          int32_t *xsum) {
     int64_t blocks = K / 32;
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t i = 0; i < M * blocks; i++) {
@@ -211,20 +212,23 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_
 #endif
         xd[i] = amax / 127.0f;
         xs[i] = xd[i] * (float)sum;
+        xsum[i] = sum;
     }
 }
 #pragma GCC pop_options
 
-// quantize_rows into one allocation (this and quant_linear_x16.c's kernels): *xd [M][K / 32], *xs likewise, *xq
-// [M][K]; free(*xd) releases all three. x float32, or bf16 where x_bf16. Returns 0, or -2 when memory runs out.
-int tm_quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t **xq, float **xd, float **xs) {
+// quantize_rows into one allocation (this and quant_linear_x16.c's kernels): *xd [M][K / 32], *xs and *xsum likewise,
+// *xq [M][K]; free(*xd) releases all four. x float32, or bf16 where x_bf16. Returns 0, or -2 when memory runs out.
+int tm_quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t **xq, float **xd, float **xs,
+                     int32_t **xsum) {
     const int64_t blocks = K / 32;
-    float *buffer = (float *)malloc((size_t)(2 * M * blocks) * sizeof(float) + (size_t)(M * K));
+    float *buffer = (float *)malloc((size_t)(3 * M * blocks) * sizeof(float) + (size_t)(M * K));
     if (!buffer) return -2;
     *xd = buffer;
     *xs = buffer + M * blocks;
-    *xq = (int8_t *)(buffer + 2 * M * blocks);
-    quantize_rows(x, x_bf16, M, K, *xq, *xd, *xs);
+    *xsum = (int32_t *)(buffer + 2 * M * blocks);
+    *xq = (int8_t *)(buffer + 3 * M * blocks);
+    quantize_rows(x, x_bf16, M, K, *xq, *xd, *xs, *xsum);
     return 0;
 }
 
@@ -347,7 +351,8 @@ static int int_linear(const float *x, int64_t M, int64_t K, const void *q, const
     int64_t blocks = K / 32, row_bytes = kind == KIND_INT4 ? K / 2 : K;
     int8_t *xq;
     float *xd, *xs;
-    if (tm_quantize_rows(x, 0, M, K, &xq, &xd, &xs) != 0) return -2;
+    int32_t *xsum;  // (the interleaved kernel's; this one takes the codes' sums from xs)
+    if (tm_quantize_rows(x, 0, M, K, &xq, &xd, &xs, &xsum) != 0) return -2;
     size_t scale_bytes = scales_f32 ? 4 : 2, min_bytes = mins_f32 ? 4 : 2;
     int64_t groups = (K + G - 1) / G;
 #ifdef TM_AVX2

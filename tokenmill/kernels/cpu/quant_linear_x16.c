@@ -17,6 +17,12 @@
 //         this adds is taken back through the min term: min' = min - 128 * scale (sum(x codes) is in xs).
 // d, m: [tiles][groups][16] scales and mins of each group of G inputs (G a multiple of 32), fp16 or float32.
 //
+// Symmetric weights (``symmetric``, set at load: int4 whose every min is -8 * scale, as GGUF's Q4_0; int8 without
+// mins) leave out the min term: out = sum over blocks of (scale * xd) * (codes . xq - offset * xsum), xsum the block's
+// sum of x codes, taken off in integers; offset 8 for int4, 128 for the VNNI build's int8 (the layout's + 128), 0 for
+// the AVX2 build's (its codes are signed again). Two float multiplies a block and row remain beside the eight
+// vpdpbusd, where the min term made three; on a Zen 4 they share the same two pipes (benchmarks/x16_builds.py).
+//
 // A third build on hosts with AMX (tiles of bf16 products, Sapphire Rapids and later), for calls of amx_from_rows rows
 // and more (set per weight by a start-up measurement; 0: never): each tile of 16 output rows is widened once per call
 // to bf16 weights (q * scale + min in float32, rounded to nearest even: what a bf16 copy of the dequantized weight
@@ -37,10 +43,20 @@ typedef struct {
     int32_t kind;  // 0: int4, 1: int8
     int32_t d_f32, m_f32;
     int32_t amx_from_rows;  // calls of this many rows and more take the AMX build, where there is one (0: never)
+    int32_t symmetric;      // 1: w = scale * (q - 8) (int4) or scale * q (int8, no mins); see above
 } tm_x16_weight;
 
+// One call's activations as tm_quantize_rows writes them: codes q [M][K]; per 32-input block d (the scale) and s (d
+// * the codes' sum), [M][K / 32] each; for a symmetric weight, start: -offset * the codes' sum (where a block's
+// integer dot product starts), likewise.
+typedef struct {
+    const int8_t *q;
+    const float *d, *s;
+    const int32_t *start;
+} x_codes;
+
 int tm_quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t **xq, float **xd,  // quant_linear.c
-                     float **xs);
+                     float **xs, int32_t **xsum);
 void tm_add_bias(float *out, int64_t M, int64_t N, const float *bias);                           // quant_linear.c
 void *tm_thread_scratch(int64_t bytes);                                                         // quant_linear.c
 void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n);                                 // paged_attention.c
@@ -73,12 +89,13 @@ static inline __m512i round_bf16_lanes(__m512 v) {
 // out[m0 + r][16 t ..] for r < MR, plus bias (NULL: none); out float32, or bf16 where out_bf16 (rounded to nearest
 // even, as tm_round_bf16 rounds the float32 result).
 static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *w, int64_t t, int64_t m0,
-                                                           const int MR, const int8_t *xq, const float *xd,
-                                                           const float *xs, const float *bias, void *out,
-                                                           int out_bf16) {
+                                                           const int MR, const int sym, const x_codes *x,
+                                                           const float *bias, void *out, int out_bf16) {
     const int64_t blocks = w->K / 32, per_group = w->G / 32, groups = (w->K + w->G - 1) / w->G;
     const int64_t step_bytes = w->kind == 0 ? 32 : 64;
     const uint8_t *qt = w->q + t * blocks * 8 * step_bytes;
+    const int8_t *xq = x->q;
+    const float *xd = x->d, *xs = x->s;
     const __m512i nibble = _mm512_set1_epi8(0x0F), shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
     __m512 acc[TILE_M];
 #pragma GCC unroll 8
@@ -97,15 +114,19 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
         }
         const int64_t at = (t * groups + b / per_group) * 16;
         const __m512 d = load16(w->d, at, w->d_f32);
-        __m512 m = w->m ? load16(w->m, at, w->m_f32) : _mm512_setzero_ps();
-        if (w->kind == 1) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f), m);
+        __m512 m = _mm512_setzero_ps();
+        if (!sym) {
+            if (w->m) m = load16(w->m, at, w->m_f32);
+            if (w->kind == 1) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f), m);
+        }
         // Steps outer, rows inner: each row's 8 products form a chain of dependent vpdpbusd, and taken a row at a time
         // (as this loop once did) the chains' latency, not the core's throughput, set the pace (1.03-1.1x slower at
         // 4-32 rows, Zen 4). x's 4 codes of a step are broadcast straight from memory (a load; copied out through
         // general registers first, GCC 12 spent a shift, a move and a broadcast per step).
         __m512i dot[TILE_M];
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) dot[r] = _mm512_setzero_si512();
+        for (int r = 0; r < MR; r++)
+            dot[r] = sym ? _mm512_set1_epi32(x->start[(m0 + r) * blocks + b]) : _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
 #pragma GCC unroll 8
@@ -118,7 +139,7 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
         for (int r = 0; r < MR; r++) {
             const int64_t xi = (m0 + r) * blocks + b;
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[xi])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[xi]), acc[r]);
+            if (!sym) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[xi]), acc[r]);
         }
     }
     const int64_t n0 = 16 * t;
@@ -148,9 +169,10 @@ static inline __m256 load8(const void *p, int64_t i, int f32) {
 // out[m0 + r][16 t + 8 half ..] for r < MR, plus bias (NULL: none), float32 or bf16 (out_bf16): one half tile (8
 // rows) over every block.
 static inline __attribute__((always_inline)) void x16_half(const tm_x16_weight *w, int64_t t, int half, int64_t m0,
-                                                           const int MR, const int8_t *xq, const float *xd,
-                                                           const float *xs, const float *bias, void *out,
-                                                           int out_bf16) {
+                                                           const int MR, const int sym, const x_codes *x,
+                                                           const float *bias, void *out, int out_bf16) {
+    const int8_t *xq = x->q;
+    const float *xd = x->d, *xs = x->s;
     const int64_t blocks = w->K / 32, per_group = w->G / 32, groups = (w->K + w->G - 1) / w->G;
     const int64_t step_bytes = w->kind == 0 ? 32 : 64;
     const uint8_t *qt = w->q + t * blocks * 8 * step_bytes + (w->kind == 0 ? 0 : 32 * half);
@@ -182,13 +204,16 @@ static inline __attribute__((always_inline)) void x16_half(const tm_x16_weight *
             }
         }
         const int64_t at = (t * groups + b / per_group) * 16 + 8 * half;
-        const __m256 d = load8(w->d, at, w->d_f32), m = w->m ? load8(w->m, at, w->m_f32) : _mm256_setzero_ps();
+        const __m256 d = load8(w->d, at, w->d_f32);
+        const __m256 m = !sym && w->m ? load8(w->m, at, w->m_f32) : _mm256_setzero_ps();
 #pragma GCC unroll 4
         for (int r = 0; r < MR; r++) {
-            const __m256i sums = w->kind == 0 ? _mm256_madd_epi16(dot[r], ones) : dot[r];
             const int64_t xi = (m0 + r) * blocks + b;
+            __m256i sums = w->kind == 0 ? _mm256_madd_epi16(dot[r], ones) : dot[r];
+            if (sym && w->kind == 0)  // (int8's offset here is 0: its codes are signed again)
+                sums = _mm256_add_epi32(sums, _mm256_set1_epi32(x->start[xi]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(xd[xi])), acc[r]);
-            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[xi]), acc[r]);
+            if (!sym) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[xi]), acc[r]);
         }
     }
     const int64_t n0 = 16 * t + 8 * half, live = w->N - n0 < 8 ? w->N - n0 : 8;
@@ -212,11 +237,10 @@ static inline __attribute__((always_inline)) void x16_half(const tm_x16_weight *
 
 // Both halves of tile t (the second reads the tile's bytes from cache).
 static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *w, int64_t t, int64_t m0,
-                                                           const int MR, const int8_t *xq, const float *xd,
-                                                           const float *xs, const float *bias, void *out,
-                                                           int out_bf16) {
-    x16_half(w, t, 0, m0, MR, xq, xd, xs, bias, out, out_bf16);
-    x16_half(w, t, 1, m0, MR, xq, xd, xs, bias, out, out_bf16);
+                                                           const int MR, const int sym, const x_codes *x,
+                                                           const float *bias, void *out, int out_bf16) {
+    x16_half(w, t, 0, m0, MR, sym, x, bias, out, out_bf16);
+    x16_half(w, t, 1, m0, MR, sym, x, bias, out, out_bf16);
 }
 
 #endif
@@ -357,26 +381,31 @@ int tm_amx_available(void) {
 #if defined(TM_VNNI) || defined(TM_X16_AVX2)
 #define X16_CHUNK_M 128  // rows of x one work item covers (a multiple of TILE_M)
 
-// Rows m .. end - 1 of tile t.
+// Rows m .. end - 1 of tile t (sym: the weight is symmetric, a literal at each call).
 static inline __attribute__((always_inline)) void x16_rows(const tm_x16_weight *w, int64_t t, int64_t m,
-                                                           int64_t end, const int8_t *xq, const float *xd,
-                                                           const float *xs, const float *bias, void *out,
-                                                           int out_bf16) {
-    for (; m + TILE_M <= end; m += TILE_M) x16_tile(w, t, m, TILE_M, xq, xd, xs, bias, out, out_bf16);
-    if (end - m >= 4) { x16_tile(w, t, m, 4, xq, xd, xs, bias, out, out_bf16); m += 4; }
-    if (end - m >= 2) { x16_tile(w, t, m, 2, xq, xd, xs, bias, out, out_bf16); m += 2; }
-    if (end - m >= 1) x16_tile(w, t, m, 1, xq, xd, xs, bias, out, out_bf16);
+                                                           int64_t end, const int sym, const x_codes *x,
+                                                           const float *bias, void *out, int out_bf16) {
+    for (; m + TILE_M <= end; m += TILE_M) x16_tile(w, t, m, TILE_M, sym, x, bias, out, out_bf16);
+    if (end - m >= 4) { x16_tile(w, t, m, 4, sym, x, bias, out, out_bf16); m += 4; }
+    if (end - m >= 2) { x16_tile(w, t, m, 2, sym, x, bias, out, out_bf16); m += 2; }
+    if (end - m >= 1) x16_tile(w, t, m, 1, sym, x, bias, out, out_bf16);
 }
 
-// xq [M][K], xd / xs [M][K / 32] as tm_quantize_rows writes them -> out [M][N] (+ bias [N], or NULL), float32 or
-// bf16 (out_bf16), written by the tiles themselves (no pass over out afterwards: such passes, on one thread and in
-// a fresh buffer each call, left the other cores waiting).
-static void x16_linear(const tm_x16_weight *w, const int8_t *xq, const float *xd, const float *xs, int64_t M,
-                       const float *bias, void *out, int out_bf16) {
+// x's codes of M rows -> out [M][N] (+ bias [N], or NULL), float32 or bf16 (out_bf16), written by the tiles
+// themselves (no pass over out afterwards: such passes, on one thread and in a fresh buffer each call, left the other
+// cores waiting).
+static void x16_linear(const tm_x16_weight *w, const x_codes *x, int64_t M, const float *bias, void *out,
+                       int out_bf16) {
     const int64_t tiles = (w->N + 15) / 16, chunks = (M + X16_CHUNK_M - 1) / X16_CHUNK_M;
+    const int sym = w->symmetric != 0;
     if (chunks == 1) {  // a decode step's rows
 #pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) x16_rows(w, t, 0, M, xq, xd, xs, bias, out, out_bf16);
+        for (int64_t t = 0; t < tiles; t++) {
+            if (sym)
+                x16_rows(w, t, 0, M, 1, x, bias, out, out_bf16);
+            else
+                x16_rows(w, t, 0, M, 0, x, bias, out, out_bf16);
+        }
         return;
     }
     // More rows (a prompt's): work items (chunk of X16_CHUNK_M rows, tile), chunk-major, split in contiguous
@@ -385,8 +414,11 @@ static void x16_linear(const tm_x16_weight *w, const int8_t *xq, const float *xd
     // shapes).
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < chunks * tiles; i++) {
-        const int64_t m0 = i / tiles * X16_CHUNK_M;
-        x16_rows(w, i % tiles, m0, m0 + X16_CHUNK_M < M ? m0 + X16_CHUNK_M : M, xq, xd, xs, bias, out, out_bf16);
+        const int64_t m0 = i / tiles * X16_CHUNK_M, end = m0 + X16_CHUNK_M < M ? m0 + X16_CHUNK_M : M;
+        if (sym)
+            x16_rows(w, i % tiles, m0, end, 1, x, bias, out, out_bf16);
+        else
+            x16_rows(w, i % tiles, m0, end, 0, x, bias, out, out_bf16);
     }
 }
 
@@ -435,8 +467,18 @@ int tm_quant_linear_x16(const tm_x16_weight *w, const void *x, int64_t M, const 
 #if defined(TM_VNNI) || defined(TM_X16_AVX2)
     int8_t *xq;
     float *xd, *xs;
-    if (tm_quantize_rows(x, bf16_io, M, w->K, &xq, &xd, &xs) != 0) return -2;
-    x16_linear(w, xq, xd, xs, M, bias, out, bf16_io);
+    int32_t *xsum;
+    if (tm_quantize_rows(x, bf16_io, M, w->K, &xq, &xd, &xs, &xsum) != 0) return -2;
+    if (w->symmetric) {  // each block's dot product starts at -offset * the codes' sum (see the top of this file)
+#if defined(TM_VNNI)
+        const int32_t offset = w->kind == 0 ? 8 : 128;
+#else
+        const int32_t offset = w->kind == 0 ? 8 : 0;
+#endif
+        for (int64_t i = 0; i < M * (w->K / 32); i++) xsum[i] *= -offset;
+    }
+    const x_codes codes = {xq, xd, xs, xsum};
+    x16_linear(w, &codes, M, bias, out, bf16_io);
     free(xd);
     return 0;
 #else
