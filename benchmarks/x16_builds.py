@@ -30,7 +30,8 @@ from tokenmill.kernels.quant_linear import CPUQuantMatmul, WeightFormat
 from tokenmill.models.loader import GGUF_KEPT_TYPES, gguf_quantized_pieces
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {"qkv": (960, 576, 30), "o": (576, 576, 30), "gate_up": (3072, 576, 30), "down": (576, 1536, 30)}
+SHAPES = {"qkv": (960, 576, 30), "o": (576, 576, 30), "gate_up": (3072, 576, 30), "down": (576, 1536, 30),
+          "lm_head": (49152, 576, 1)}
 
 
 def build(tree: Path, out: Path) -> ctypes.CDLL:
@@ -59,6 +60,7 @@ def main() -> int:
     parser.add_argument("--before", required=True, help="an earlier checkout (git worktree add DIR COMMIT)")
     parser.add_argument("--rows", default="1,8,32,256,2048")
     parser.add_argument("--format", default="Q4_0", choices=sorted(GGUF_KEPT_TYPES))
+    parser.add_argument("--shapes", default="qkv,o,gate_up,down", help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "x16-builds.json"))
@@ -67,7 +69,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"before": build(Path(args.before), Path(tmp) / "before.so"), "after": build(ROOT, Path(tmp) / "after.so")}
         rng, results = np.random.default_rng(0), []
-        for shape, (n, k, count) in SHAPES.items():
+        for shape in args.shapes.split(","):
+            n, k, count = SHAPES[shape]
             kernels = [gguf_weight(args.format, n, k, rng) for _ in range(max(1, min(count, int(96e6 // (n * k * 2)))))]
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k).bfloat16()

@@ -33,6 +33,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "simd_common.h"
 
@@ -46,17 +47,18 @@ typedef struct {
     int32_t symmetric;      // 1: w = scale * (q - 8) (int4) or scale * q (int8, no mins); see above
 } tm_x16_weight;
 
-// One call's activations as tm_quantize_rows writes them: codes q [M][K]; per 32-input block d (the scale) and s (d
-// * the codes' sum), [M][K / 32] each; for a symmetric weight, start: -offset * the codes' sum (where a block's
+// One call's activations as tm_quantize_blocks writes them: codes q [M][K]; per 32-input block d (the scale) and s
+// (d * the codes' sum), [M][K / 32] each; for a symmetric weight, start: -offset * the codes' sum (where a block's
 // integer dot product starts), likewise.
 typedef struct {
-    const int8_t *q;
-    const float *d, *s;
-    const int32_t *start;
+    int8_t *q;
+    float *d, *s;
+    int32_t *start;
 } x_codes;
 
-int tm_quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t **xq, float **xd,  // quant_linear.c
-                     float **xs, int32_t **xsum);
+int tm_alloc_codes(int64_t M, int64_t K, int8_t **xq, float **xd, float **xs, int32_t **xsum);  // quant_linear.c
+void tm_quantize_blocks(const void *x, int x_bf16, int64_t i0, int64_t i1, int8_t *xq, float *xd,  // quant_linear.c
+                        float *xs, int32_t *xsum);
 void tm_add_bias(float *out, int64_t M, int64_t N, const float *bias);                           // quant_linear.c
 void *tm_thread_scratch(int64_t bytes);                                                         // quant_linear.c
 void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n);                                 // paged_attention.c
@@ -391,34 +393,60 @@ static inline __attribute__((always_inline)) void x16_rows(const tm_x16_weight *
     if (end - m >= 1) x16_tile(w, t, m, 1, sym, x, bias, out, out_bf16);
 }
 
-// x's codes of M rows -> out [M][N] (+ bias [N], or NULL), float32 or bf16 (out_bf16), written by the tiles
-// themselves (no pass over out afterwards: such passes, on one thread and in a fresh buffer each call, left the other
-// cores waiting).
-static void x16_linear(const tm_x16_weight *w, const x_codes *x, int64_t M, const float *bias, void *out,
-                       int out_bf16) {
-    const int64_t tiles = (w->N + 15) / 16, chunks = (M + X16_CHUNK_M - 1) / X16_CHUNK_M;
+// This thread's share of x's blocks (of ``blocks``) -> their codes; a symmetric weight's dot products start at
+// -offset * the codes' sum (see the top of this file). Called by every thread of a parallel region.
+static inline void quantize_share(const tm_x16_weight *w, const void *x, int x_bf16, const x_codes *codes,
+                                  int64_t blocks) {
+#if defined(TM_VNNI)
+    const int32_t offset = w->kind == 0 ? 8 : 128;
+#else
+    const int32_t offset = w->kind == 0 ? 8 : 0;
+#endif
+    const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t i0 = blocks * id / threads, i1 = blocks * (id + 1) / threads;
+    tm_quantize_blocks(x, x_bf16, i0, i1, codes->q, codes->d, codes->s, codes->start);
+    if (w->symmetric)
+        for (int64_t i = i0; i < i1; i++) codes->start[i] *= -offset;
+}
+
+// x [M][K] (float32, or bf16 where x_bf16) -> out [M][N] (+ bias [N], or NULL), float32 or bf16 (out_bf16), x's
+// codes going to ``codes`` (room for M rows: tm_alloc_codes). The tiles write out themselves (no pass over out
+// afterwards: such passes, on one thread and in a fresh buffer each call, left the other cores waiting).
+static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const x_codes *codes, int64_t M,
+                       const float *bias, void *out, int out_bf16) {
+    const int64_t tiles = (w->N + 15) / 16, chunks = (M + X16_CHUNK_M - 1) / X16_CHUNK_M, blocks = M * (w->K / 32);
     const int sym = w->symmetric != 0;
-    if (chunks == 1) {  // a decode step's rows
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            if (sym)
-                x16_rows(w, t, 0, M, 1, x, bias, out, out_bf16);
-            else
-                x16_rows(w, t, 0, M, 0, x, bias, out, out_bf16);
+    if (chunks == 1) {
+        // A decode step's rows: one parallel region, the threads quantizing x's blocks, then (after the barrier: a
+        // tile reads every row's codes) computing the tiles. (x quantized in a region of its own, and on one thread
+        // below 64 Ki inputs, calls of 1-32 rows ran 1.05-1.15x slower.)
+#pragma omp parallel
+        {
+            quantize_share(w, x, x_bf16, codes, blocks);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; t++) {
+                if (sym)
+                    x16_rows(w, t, 0, M, 1, codes, bias, out, out_bf16);
+                else
+                    x16_rows(w, t, 0, M, 0, codes, bias, out, out_bf16);
+            }
         }
         return;
     }
-    // More rows (a prompt's): work items (chunk of X16_CHUNK_M rows, tile), chunk-major, split in contiguous
-    // ranges, so that each tile reads only its chunk's x codes (X16_CHUNK_M x K bytes, L2-resident) and the weight
-    // is re-read once a chunk. Each tile over all the rows ran 1.1-1.6x slower at 256-2,048 rows (Zen 4, SmolLM2's
-    // shapes).
+    // More rows (a prompt's): x quantized first; then work items (chunk of X16_CHUNK_M rows, tile), chunk-major, split
+    // in contiguous ranges, so that each tile reads only its chunk's x codes (X16_CHUNK_M x K bytes, L2-resident) and
+    // the weight is re-read once a chunk. Each tile over all the rows ran 1.1-1.6x slower at 256-2,048 rows (Zen 4,
+    // SmolLM2's shapes). (Both in one region, as above, ran 2-5% slower here.)
+#pragma omp parallel
+    quantize_share(w, x, x_bf16, codes, blocks);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < chunks * tiles; i++) {
         const int64_t m0 = i / tiles * X16_CHUNK_M, end = m0 + X16_CHUNK_M < M ? m0 + X16_CHUNK_M : M;
         if (sym)
-            x16_rows(w, i % tiles, m0, end, 1, x, bias, out, out_bf16);
+            x16_rows(w, i % tiles, m0, end, 1, codes, bias, out, out_bf16);
         else
-            x16_rows(w, i % tiles, m0, end, 0, x, bias, out, out_bf16);
+            x16_rows(w, i % tiles, m0, end, 0, codes, bias, out, out_bf16);
     }
 }
 
@@ -465,21 +493,10 @@ int tm_quant_linear_x16(const tm_x16_weight *w, const void *x, int64_t M, const 
         return amx_call(w, x, M, bias, out, bf16_io);
 #endif
 #if defined(TM_VNNI) || defined(TM_X16_AVX2)
-    int8_t *xq;
-    float *xd, *xs;
-    int32_t *xsum;
-    if (tm_quantize_rows(x, bf16_io, M, w->K, &xq, &xd, &xs, &xsum) != 0) return -2;
-    if (w->symmetric) {  // each block's dot product starts at -offset * the codes' sum (see the top of this file)
-#if defined(TM_VNNI)
-        const int32_t offset = w->kind == 0 ? 8 : 128;
-#else
-        const int32_t offset = w->kind == 0 ? 8 : 0;
-#endif
-        for (int64_t i = 0; i < M * (w->K / 32); i++) xsum[i] *= -offset;
-    }
-    const x_codes codes = {xq, xd, xs, xsum};
-    x16_linear(w, &codes, M, bias, out, bf16_io);
-    free(xd);
+    x_codes codes;
+    if (tm_alloc_codes(M, w->K, &codes.q, &codes.d, &codes.s, &codes.start) != 0) return -2;
+    x16_linear(w, x, bf16_io, &codes, M, bias, out, bf16_io);
+    free(codes.d);
     return 0;
 #else
     (void)w; (void)x; (void)M; (void)bias; (void)out; (void)bf16_io;
