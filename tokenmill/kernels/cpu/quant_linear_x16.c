@@ -409,6 +409,17 @@ static inline void quantize_share(const tm_x16_weight *w, const void *x, int x_b
         for (int64_t i = i0; i < i1; i++) codes->start[i] *= -offset;
 }
 
+// Work item i of a prompt's tiles (M > X16_CHUNK_M), x's codes in ``codes``: (chunk of X16_CHUNK_M rows, tile),
+// chunk-major, so that split in contiguous ranges each tile reads only its chunk's x codes (X16_CHUNK_M x K bytes,
+// L2-resident) and the weight is re-read once a chunk (each tile over all the rows ran 1.1-1.6x slower at 256-2,048
+// rows, Zen 4, SmolLM2's shapes).
+static inline __attribute__((always_inline)) void chunk_item(const tm_x16_weight *w, const x_codes *codes, int64_t M,
+                                                             int64_t i, const float *bias, void *out, int out_bf16,
+                                                             const int sym) {
+    const int64_t tiles = (w->N + 15) / 16, m0 = i / tiles * X16_CHUNK_M;
+    x16_rows(w, i % tiles, m0, m0 + X16_CHUNK_M < M ? m0 + X16_CHUNK_M : M, sym, codes, bias, out, out_bf16);
+}
+
 // x [M][K] (float32, or bf16 where x_bf16) -> out [M][N] (+ bias [N], or NULL), float32 or bf16 (out_bf16), x's
 // codes going to ``codes`` (room for M rows: tm_alloc_codes). The tiles write out themselves (no pass over out
 // afterwards: such passes, on one thread and in a fresh buffer each call, left the other cores waiting).
@@ -434,19 +445,18 @@ static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const 
         }
         return;
     }
-    // More rows (a prompt's): x quantized first; then work items (chunk of X16_CHUNK_M rows, tile), chunk-major, split
-    // in contiguous ranges, so that each tile reads only its chunk's x codes (X16_CHUNK_M x K bytes, L2-resident) and
-    // the weight is re-read once a chunk. Each tile over all the rows ran 1.1-1.6x slower at 256-2,048 rows (Zen 4,
-    // SmolLM2's shapes). (Both in one region, as above, ran 2-5% slower here.)
+    // More rows (a prompt's): x quantized first, then the work items of chunk_item, each form's loop its own region
+    // (GCC outlines a region before it inlines: ``sym`` must be a literal inside it, or the tiles test it as they
+    // go). Quantizing in the tiles' region ran 2-5% slower here (benchmarks/x16_builds.py).
 #pragma omp parallel
     quantize_share(w, x, x_bf16, codes, blocks);
+    const int64_t items = chunks * tiles;
+    if (sym) {
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < chunks * tiles; i++) {
-        const int64_t m0 = i / tiles * X16_CHUNK_M, end = m0 + X16_CHUNK_M < M ? m0 + X16_CHUNK_M : M;
-        if (sym)
-            x16_rows(w, i % tiles, m0, end, 1, codes, bias, out, out_bf16);
-        else
-            x16_rows(w, i % tiles, m0, end, 0, codes, bias, out, out_bf16);
+        for (int64_t i = 0; i < items; i++) chunk_item(w, codes, M, i, bias, out, out_bf16, 1);
+    } else {
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < items; i++) chunk_item(w, codes, M, i, bias, out, out_bf16, 0);
     }
 }
 
