@@ -421,20 +421,21 @@ static inline __attribute__((always_inline)) void chunk_item(const tm_x16_weight
 }
 
 // x [M][K] (float32, or bf16 where x_bf16) -> out [M][N] (+ bias [N], or NULL), float32 or bf16 (out_bf16), x's
-// codes going to ``codes`` (room for M rows: tm_alloc_codes). The tiles write out themselves (no pass over out
-// afterwards: such passes, on one thread and in a fresh buffer each call, left the other cores waiting).
+// codes going to ``codes`` (room for M rows: tm_alloc_codes). One parallel region: the threads quantize x's blocks,
+// then (after the barrier: a tile reads every row's codes) compute the tiles, which write out themselves (no pass over
+// out afterwards: such passes, on one thread and in a fresh buffer each call, left the other cores waiting). x
+// quantized in a region of its own, and on one thread below 64 Ki inputs, calls of 1-32 rows ran 1.01-1.11x slower.
+// Inside the region ``sym`` is passed as a literal at each call: GCC outlines a region before it inlines, so a
+// variable would be tested inside the tiles' loops.
 static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const x_codes *codes, int64_t M,
                        const float *bias, void *out, int out_bf16) {
     const int64_t tiles = (w->N + 15) / 16, chunks = (M + X16_CHUNK_M - 1) / X16_CHUNK_M, blocks = M * (w->K / 32);
     const int sym = w->symmetric != 0;
-    if (chunks == 1) {
-        // A decode step's rows: one parallel region, the threads quantizing x's blocks, then (after the barrier: a
-        // tile reads every row's codes) computing the tiles. (x quantized in a region of its own, and on one thread
-        // below 64 Ki inputs, calls of 1-32 rows ran 1.05-1.15x slower.)
 #pragma omp parallel
-        {
-            quantize_share(w, x, x_bf16, codes, blocks);
+    {
+        quantize_share(w, x, x_bf16, codes, blocks);
 #pragma omp barrier
+        if (chunks == 1) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tiles; t++) {
                 if (sym)
@@ -442,21 +443,15 @@ static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const 
                 else
                     x16_rows(w, t, 0, M, 0, codes, bias, out, out_bf16);
             }
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < chunks * tiles; i++) {
+                if (sym)
+                    chunk_item(w, codes, M, i, bias, out, out_bf16, 1);
+                else
+                    chunk_item(w, codes, M, i, bias, out, out_bf16, 0);
+            }
         }
-        return;
-    }
-    // More rows (a prompt's): x quantized first, then the work items of chunk_item, each form's loop its own region
-    // (GCC outlines a region before it inlines: ``sym`` must be a literal inside it, or the tiles test it as they
-    // go). Quantizing in the tiles' region ran 2-5% slower here (benchmarks/x16_builds.py).
-#pragma omp parallel
-    quantize_share(w, x, x_bf16, codes, blocks);
-    const int64_t items = chunks * tiles;
-    if (sym) {
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < items; i++) chunk_item(w, codes, M, i, bias, out, out_bf16, 1);
-    } else {
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < items; i++) chunk_item(w, codes, M, i, bias, out, out_bf16, 0);
     }
 }
 
