@@ -1,12 +1,13 @@
 """The interleaved int4 / int8 kernel (kernels/cpu/quant_linear_x16.c) of two checkouts side by side in one process:
 both trees' C sources built with the flags tokenmill uses, loaded together, called in interleaved rounds on the same
-weights and inputs (fastest of the rounds, us a call), so that the ratio survives a host whose speed drifts between
-runs. Weights are gguf's own Q4_0 / Q8_0 blocks (the default model's formats) at SmolLM2's shapes, as many cold copies
-as the model has layers of the shape (up to 96 MB); inputs bf16 (the model's CPU dtype). TOKENMILL_CPU_KERNEL_FLAGS
-(kernels/cpu_native.py) applies to both builds.
+weights and inputs (fastest of the rounds, us a call; the builds' order alternates from round to round), so that the
+ratio survives a host whose speed drifts between runs. Weights are gguf's own blocks of ``--format`` (the default
+model's Q4_1, the symmetric Q4_0, Q8_0) at SmolLM2's shapes, as many cold copies as the model has layers of the shape
+(up to 96 MB); inputs bf16 (the model's CPU dtype). TOKENMILL_CPU_KERNEL_FLAGS (kernels/cpu_native.py) applies to both
+builds.
 
     python benchmarks/x16_builds.py --before /tmp/tokenmill-before [--rows 1,8,32,256,2048] [--format Q4_0]
-        [--out benchmarks/results/x16-builds.json]
+        [--shapes qkv,o,gate_up,down,lm_head] [--out benchmarks/results/x16-builds.json]
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def main() -> int:
                 x = torch.randn(rows, k).bfloat16()
                 outs = {name: torch.empty(rows, n, dtype=torch.bfloat16) for name in libs}
                 best = dict.fromkeys(libs, float("inf"))
-                for _ in range(args.rounds):
-                    for name, lib in libs.items():
+                for round_ in range(args.rounds):  # the order alternates: the first-called build ran ~2% faster
+                    for name, lib in (list(libs.items()) if round_ % 2 == 0 else list(libs.items())[::-1]):
                         start = time.perf_counter()
                         for kernel in kernels:
                             if lib.tm_quant_linear_x16(kernel._weight_ref, x.data_ptr(), rows, None,
