@@ -153,7 +153,8 @@ static void dot_rows(const float *w, const float *x, int64_t M, int64_t K, float
 
 // Blocks i0 .. i1 - 1 of x [M][K] (float32, or bf16 where x_bf16: widened here, exactly; K a multiple of 32, so block
 // i is elements 32 i .. 32 i + 31 of x as one array) -> their codes (xq + 32 i ..) and, per block, xd = its scale,
-// xs = scale * sum of codes and xsum = the sum of codes (an integer: |xsum| <= 32 * 127). On the calling thread.
+// xs = scale * sum of codes and xsum (NULL: none) = the sum of codes (an integer: |xsum| <= 32 * 127). On the calling
+// thread.
 // IEEE arithmetic here, whatever the build's flags: the reference divides 127 by amax exactly too, and a code at a
 // rounding tie (x * inv = 57.5 happens) moves with the last bit of inv.
 #pragma GCC push_options
@@ -211,22 +212,22 @@ void tm_quantize_blocks(const void *x, int x_bf16, int64_t i0, int64_t i1, int8_
 #endif
         xd[i] = amax / 127.0f;
         xs[i] = xd[i] * (float)sum;
-        xsum[i] = sum;
+        if (xsum) xsum[i] = sum;
     }
 }
 #pragma GCC pop_options
 
 // Room for the quantized activations of M rows of K inputs in one allocation (this and quant_linear_x16.c's kernels):
-// *xd [M][K / 32], *xs and *xsum likewise, *xq [M][K]; free(*xd) releases all four. Returns 0, or -2 when memory runs
-// out.
+// *xd [M][K / 32], *xs likewise, *xq [M][K], and where xsum is not NULL *xsum [M][K / 32]; free(*xd) releases them
+// all. Returns 0, or -2 when memory runs out.
 int tm_alloc_codes(int64_t M, int64_t K, int8_t **xq, float **xd, float **xs, int32_t **xsum) {
     const int64_t blocks = K / 32;
-    float *buffer = (float *)malloc((size_t)(3 * M * blocks) * sizeof(float) + (size_t)(M * K));
+    float *buffer = (float *)malloc((size_t)((xsum ? 3 : 2) * M * blocks) * sizeof(float) + (size_t)(M * K));
     if (!buffer) return -2;
     *xd = buffer;
     *xs = buffer + M * blocks;
-    *xsum = (int32_t *)(buffer + 2 * M * blocks);
-    *xq = (int8_t *)(buffer + 3 * M * blocks);
+    *xq = (int8_t *)(buffer + 2 * M * blocks);
+    if (xsum) *xsum = (int32_t *)(*xq + M * K);  // (K a multiple of 32: aligned as the floats)
     return 0;
 }
 
@@ -349,10 +350,9 @@ static int int_linear(const float *x, int64_t M, int64_t K, const void *q, const
     int64_t blocks = K / 32, row_bytes = kind == KIND_INT4 ? K / 2 : K;
     int8_t *xq;
     float *xd, *xs;
-    int32_t *xsum;  // (the interleaved kernel's; this one takes the codes' sums from xs)
-    if (tm_alloc_codes(M, K, &xq, &xd, &xs, &xsum) != 0) return -2;
+    if (tm_alloc_codes(M, K, &xq, &xd, &xs, NULL) != 0) return -2;
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
-    for (int64_t i = 0; i < M * blocks; i++) tm_quantize_blocks(x, 0, i, i + 1, xq, xd, xs, xsum);
+    for (int64_t i = 0; i < M * blocks; i++) tm_quantize_blocks(x, 0, i, i + 1, xq, xd, xs, NULL);
     size_t scale_bytes = scales_f32 ? 4 : 2, min_bytes = mins_f32 ? 4 : 2;
     int64_t groups = (K + G - 1) / G;
 #ifdef TM_AVX2

@@ -49,7 +49,7 @@ typedef struct {
 
 // One call's activations as tm_quantize_blocks writes them: codes q [M][K]; per 32-input block d (the scale) and s
 // (d * the codes' sum), [M][K / 32] each; for a symmetric weight, start: -offset * the codes' sum (where a block's
-// integer dot product starts), likewise.
+// integer dot product starts), likewise (else NULL).
 typedef struct {
     int8_t *q;
     float *d, *s;
@@ -499,7 +499,8 @@ int tm_quant_linear_x16(const tm_x16_weight *w, const void *x, int64_t M, const 
 #endif
 #if defined(TM_VNNI) || defined(TM_X16_AVX2)
     x_codes codes;
-    if (tm_alloc_codes(M, w->K, &codes.q, &codes.d, &codes.s, &codes.start) != 0) return -2;
+    codes.start = NULL;  // (symmetric weights only)
+    if (tm_alloc_codes(M, w->K, &codes.q, &codes.d, &codes.s, w->symmetric ? &codes.start : NULL) != 0) return -2;
     x16_linear(w, x, bf16_io, &codes, M, bias, out, bf16_io);
     free(codes.d);
     return 0;
