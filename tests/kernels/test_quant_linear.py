@@ -86,6 +86,36 @@ def test_int8_activations_stay_within_half_a_step():
     assert torch.equal(quantize_activations(torch.zeros(2, 32)), torch.zeros(2, 32))
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_activation_codes_are_the_reference_rounding(dtype):
+    """The C quantizer of x (kernels/cpu/quant_linear.c; an AVX-512 build, an AVX2 one and a plain loop) gives, bit for
+    bit, round(x * (127 / amax)) half to even per 32-input block, amax / 127, that times the codes' sum, and the sum:
+    blocks of every magnitude, zeros, and codes at exact rounding ties."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 96, generator=g) * torch.logspace(-4, 4, 7)[:, None]
+    x[2, 32:64] = 0  # a zero block
+    x[3, :32] = torch.arange(-16, 16) + 0.5  # with amax 127 (127 / amax = 1): every code a tie, k + 0.5
+    x[3, 0] = 127
+    x[4, 40] = 1e30
+    x = x.to(dtype).contiguous()
+    blocks = x.numel() // 32
+    xq = torch.empty(x.shape, dtype=torch.int8)
+    xd, xs = torch.empty(blocks), torch.empty(blocks)
+    xsum = torch.empty(blocks, dtype=torch.int32)
+    library().tm_quantize_blocks(x.data_ptr(), int(dtype == torch.bfloat16), 0, blocks, xq.data_ptr(), xd.data_ptr(),
+                                 xs.data_ptr(), xsum.data_ptr())
+    wide = x.float().view(-1, 32)
+    amax = wide.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    codes = (wide * inverse).round()
+    assert ((wide * inverse) % 1 == 0.5).sum() >= 31  # the ties were met
+    assert torch.equal(xq.view(-1, 32).float(), codes)
+    assert torch.equal(xd, (amax / 127.0).view(-1))
+    assert torch.equal(xsum, codes.sum(-1).int())
+    assert torch.equal(xs, xd * xsum.float())
+
+
 @pytest.mark.parametrize("name", ["int4-g32", "int4-g128", "int8-ch", "int8-g32"])
 def test_round_to_nearest_is_within_half_a_step(name):
     fmt = WeightFormat.parse(name)
@@ -198,7 +228,7 @@ def test_the_avx2_build_on_an_avx512_host():
     assert rows.stdout.strip() == "8", rows.stderr[-2000:]
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                             "kernel_matches_reference or held_interleaved or other_activation or bf16_calls or "
-                           "gguf_blocks or symmetric"],
+                           "gguf_blocks or symmetric or activation_codes"],
                            env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and " failed" not in tests.stdout

@@ -119,6 +119,9 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
     lib.tm_quant_linear_prepared.restype = ctypes.c_int
     lib.tm_quant_linear_prepared.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.tm_x16_register_rows.restype = ctypes.c_int
+    lib.tm_quantize_blocks.restype = None
+    lib.tm_quantize_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.tm_argmax_rows.restype = None
     lib.tm_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.tm_amx_available.restype = ctypes.c_int
