@@ -49,7 +49,7 @@ typedef struct {
 
 // One call's activations as tm_quantize_blocks writes them: codes q [M][K]; per 32-input block d (the scale) and s
 // (d * the codes' sum), [M][K / 32] each; for a symmetric weight, start: -offset * the codes' sum (where a block's
-// integer dot product starts), likewise (else NULL).
+// integer dot product starts), likewise (NULL where zero_point is 0).
 typedef struct {
     int8_t *q;
     float *d, *s;
@@ -393,19 +393,26 @@ static inline __attribute__((always_inline)) void x16_rows(const tm_x16_weight *
     if (end - m >= 1) x16_tile(w, t, m, 1, sym, x, bias, out, out_bf16);
 }
 
-// This thread's share of x's blocks (of ``blocks``) -> their codes; a symmetric weight's dot products start at
-// -offset * the codes' sum (see the top of this file). Called by every thread of a parallel region.
+// The offset this build's dot products take off a symmetric weight's codes (see the top of this file); 0: none
+// (a general weight, or the AVX2 build's int8, whose codes are signed again).
+static inline int32_t zero_point(const tm_x16_weight *w) {
+    if (!w->symmetric) return 0;
+#if defined(TM_VNNI)
+    return w->kind == 0 ? 8 : 128;
+#else
+    return w->kind == 0 ? 8 : 0;
+#endif
+}
+
+// This thread's share of x's blocks (of ``blocks``) -> their codes; where the weight has a zero point, each block's
+// dot product starts at -zero point * the codes' sum. Called by every thread of a parallel region.
 static inline void quantize_share(const tm_x16_weight *w, const void *x, int x_bf16, const x_codes *codes,
                                   int64_t blocks) {
-#if defined(TM_VNNI)
-    const int32_t offset = w->kind == 0 ? 8 : 128;
-#else
-    const int32_t offset = w->kind == 0 ? 8 : 0;
-#endif
+    const int32_t offset = zero_point(w);
     const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
     const int64_t i0 = blocks * id / threads, i1 = blocks * (id + 1) / threads;
     tm_quantize_blocks(x, x_bf16, i0, i1, codes->q, codes->d, codes->s, codes->start);
-    if (w->symmetric)
+    if (offset)
         for (int64_t i = i0; i < i1; i++) codes->start[i] *= -offset;
 }
 
@@ -499,8 +506,8 @@ int tm_quant_linear_x16(const tm_x16_weight *w, const void *x, int64_t M, const 
 #endif
 #if defined(TM_VNNI) || defined(TM_X16_AVX2)
     x_codes codes;
-    codes.start = NULL;  // (symmetric weights only)
-    if (tm_alloc_codes(M, w->K, &codes.q, &codes.d, &codes.s, w->symmetric ? &codes.start : NULL) != 0) return -2;
+    codes.start = NULL;  // (where there is a zero point to take off)
+    if (tm_alloc_codes(M, w->K, &codes.q, &codes.d, &codes.s, zero_point(w) ? &codes.start : NULL) != 0) return -2;
     x16_linear(w, x, bf16_io, &codes, M, bias, out, bf16_io);
     free(codes.d);
     return 0;
