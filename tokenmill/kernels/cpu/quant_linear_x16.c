@@ -21,7 +21,8 @@
 // mins) leave out the min term: out = sum over blocks of (scale * xd) * (codes . xq - offset * xsum), xsum the block's
 // sum of x codes, taken off in integers; offset 8 for int4, 128 for the VNNI build's int8 (the layout's + 128), 0 for
 // the AVX2 build's (its codes are signed again). Two float multiplies a block and row remain beside the eight
-// vpdpbusd, where the min term made three; on a Zen 4 they share the same two pipes (benchmarks/x16_builds.py).
+// vpdpbusd, where the min term made three; on a Zen 4 they contend with vpdpbusd (BENCHMARKS.md, issue 24, "Symmetric
+// weights' zero point in integers").
 //
 // A third build on hosts with AMX (tiles of bf16 products, Sapphire Rapids and later), for calls of amx_from_rows rows
 // and more (set per weight by a start-up measurement; 0: never): each tile of 16 output rows is widened once per call
