@@ -7,7 +7,11 @@ model's Q4_1, the symmetric Q4_0, Q8_0) at SmolLM2's shapes, as many cold copies
 builds.
 
     python benchmarks/x16_builds.py --before /tmp/tokenmill-before [--rows 1,8,32,256,2048] [--format Q4_0]
-        [--shapes qkv,o,gate_up,down,lm_head] [--out benchmarks/results/x16-builds.json]
+        [--shapes qkv,o,gate_up,down,lm_head] [--cold-mb 96] [--out benchmarks/results/x16-builds.json]
+
+``--cold-mb`` adds copies until each shape's copies hold that many MB of quantized weight: with more than the L3 holds,
+every call reads its weight from memory, as a served step does (a step reads the whole model's weights and, from a
+few requests on, more KV cache than the L3 holds).
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ def main() -> int:
     parser.add_argument("--shapes", default="qkv,o,gate_up,down", help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cold-mb", type=float, default=0.0,
+                        help="copies of each shape up to this many MB of quantized weight (default: one per layer)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "x16-builds.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -73,6 +79,10 @@ def main() -> int:
         for shape in args.shapes.split(","):
             n, k, count = SHAPES[shape]
             kernels = [gguf_weight(args.format, n, k, rng) for _ in range(max(1, min(count, int(96e6 // (n * k * 2)))))]
+            if args.cold_mb:  # more copies, each as fresh from memory as a served step's (its weights exceed the L3)
+                size = sum(t.numel() * t.element_size() for t in kernels[0]._keep if t is not None)
+                kernels += [gguf_weight(args.format, n, k, rng)
+                            for _ in range(math.ceil(args.cold_mb * 1e6 / size) - len(kernels))]
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k).bfloat16()
                 outs = {name: torch.empty(rows, n, dtype=torch.bfloat16) for name in libs}

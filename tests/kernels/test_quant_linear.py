@@ -42,6 +42,25 @@ def test_kernel_matches_reference(name, rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("out_features", [5, 37, 100])
+def test_every_tile_is_computed_whatever_the_thread_count(threads, out_features):
+    """A decode-sized call splits the weight's 16-row tiles into one range per thread (each thread asking for its next
+    tile's bytes ahead): with more threads than tiles some ranges are empty, and every output still comes out."""
+    fmt = WeightFormat.parse("int4-g32")
+    t = weights(fmt, out_features, 96)
+    x = torch.randn(3, 96)
+    ref = quant_linear_reference(x, fmt, t["qweight"], t["scales"], t["mins"], int8_activations=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = quant_linear_cpu(x, fmt, t["qweight"], t["scales"], t["mins"])
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=5e-4)
+
+
+@needs_kernels
 def test_kernel_takes_other_activation_dtypes_and_shapes():
     fmt = WeightFormat.parse("int4-g32")
     t = weights(fmt, 64, 96)

@@ -65,6 +65,33 @@ void *tm_thread_scratch(int64_t bytes);                                         
 void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n);                                 // paged_attention.c
 void tm_round_bf16(const float *src, uint16_t *dst, int64_t n);                                 // paged_attention.c
 
+// Tiles ahead of the one being computed whose bytes a call asks for (see prefetch_block). 1 was the fastest of 1, 2,
+// 4 and 8 on a Zen 5 at 1-128 rows (benchmarks/x16_builds.py --cold-mb; -DPREFETCH_TILES=N through
+// TOKENMILL_CPU_KERNEL_FLAGS builds another distance).
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 1
+#endif
+
+// Block b's share of tile t's bytes asked into the L1: its codes (4 or 8 lines) and line b of the tile's scales and of
+// its mins. Each block of the tile being computed asks for the same block of tile t + PREFETCH_TILES, so that a tile's
+// loads from memory overlap the work of the one before it. A decode-sized call reads its weight once, from memory in
+// a served step (the model's weights and the KV cache pass through the L3 between two calls of a layer), and left to
+// the hardware prefetcher alone such calls ran 1.1-1.9x slower (BENCHMARKS.md, issue 24, "Weights asked for a tile
+// ahead"). (As asm: GCC 12 drops __builtin_prefetch in some of these loops; see paged_attention.c.)
+static inline __attribute__((always_inline)) void prefetch_block(const tm_x16_weight *w, int64_t t, int64_t b) {
+#if defined(__x86_64__)
+    const int64_t blocks = w->K / 32, step_bytes = w->kind == 0 ? 32 : 64, groups = (w->K + w->G - 1) / w->G;
+    const char *q = (const char *)(w->q + (t * blocks + b) * 8 * step_bytes);
+    for (int64_t off = 0; off < 8 * step_bytes; off += 64) __asm__ volatile("prefetcht0 %0" : : "m"(q[off]));
+    const int64_t d_bytes = groups * 16 * (w->d_f32 ? 4 : 2), m_bytes = groups * 16 * (w->m_f32 ? 4 : 2);
+    if (64 * b < d_bytes) __asm__ volatile("prefetcht0 %0" : : "m"(((const char *)w->d)[t * d_bytes + 64 * b]));
+    if (w->m && 64 * b < m_bytes)
+        __asm__ volatile("prefetcht0 %0" : : "m"(((const char *)w->m)[t * m_bytes + 64 * b]));
+#else
+    (void)w; (void)t; (void)b;
+#endif
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TM_VNNI 1
 #include <immintrin.h>
@@ -93,7 +120,7 @@ static inline __m512i round_bf16_lanes(__m512 v) {
 // even, as tm_round_bf16 rounds the float32 result).
 static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *w, int64_t t, int64_t m0,
                                                            const int MR, const int sym, const x_codes *x,
-                                                           const float *bias, void *out, int out_bf16) {
+                                                           const float *bias, void *out, int out_bf16, int64_t pf) {
     const int64_t blocks = w->K / 32, per_group = w->G / 32, groups = (w->K + w->G - 1) / w->G;
     const int64_t step_bytes = w->kind == 0 ? 32 : 64;
     const uint8_t *qt = w->q + t * blocks * 8 * step_bytes;
@@ -104,6 +131,7 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        if (pf >= 0) prefetch_block(w, pf, b);
         __m512i steps[8];
         const uint8_t *qb = qt + b * 8 * step_bytes;
 #pragma GCC unroll 8
@@ -173,7 +201,7 @@ static inline __m256 load8(const void *p, int64_t i, int f32) {
 // rows) over every block.
 static inline __attribute__((always_inline)) void x16_half(const tm_x16_weight *w, int64_t t, int half, int64_t m0,
                                                            const int MR, const int sym, const x_codes *x,
-                                                           const float *bias, void *out, int out_bf16) {
+                                                           const float *bias, void *out, int out_bf16, int64_t pf) {
     const int8_t *xq = x->q;
     const float *xd = x->d, *xs = x->s;
     const int64_t blocks = w->K / 32, per_group = w->G / 32, groups = (w->K + w->G - 1) / w->G;
@@ -184,6 +212,7 @@ static inline __attribute__((always_inline)) void x16_half(const tm_x16_weight *
 #pragma GCC unroll 4
     for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        if (pf >= 0) prefetch_block(w, pf, b);
         const uint8_t *qb = qt + b * 8 * step_bytes;
         __m256i dot[TILE_M];
 #pragma GCC unroll 4
@@ -238,12 +267,12 @@ static inline __attribute__((always_inline)) void x16_half(const tm_x16_weight *
     }
 }
 
-// Both halves of tile t (the second reads the tile's bytes from cache).
+// Both halves of tile t (the second reads the tile's bytes from cache; the first asks for tile pf's, -1: none).
 static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *w, int64_t t, int64_t m0,
                                                            const int MR, const int sym, const x_codes *x,
-                                                           const float *bias, void *out, int out_bf16) {
-    x16_half(w, t, 0, m0, MR, sym, x, bias, out, out_bf16);
-    x16_half(w, t, 1, m0, MR, sym, x, bias, out, out_bf16);
+                                                           const float *bias, void *out, int out_bf16, int64_t pf) {
+    x16_half(w, t, 0, m0, MR, sym, x, bias, out, out_bf16, pf);
+    x16_half(w, t, 1, m0, MR, sym, x, bias, out, out_bf16, -1);
 }
 
 #endif
@@ -384,14 +413,16 @@ int tm_amx_available(void) {
 #if defined(TM_VNNI) || defined(TM_X16_AVX2)
 #define X16_CHUNK_M 128  // rows of x one work item covers (a multiple of TILE_M)
 
-// Rows m .. end - 1 of tile t (sym: the weight is symmetric, a literal at each call).
-static inline __attribute__((always_inline)) void x16_rows(const tm_x16_weight *w, int64_t t, int64_t m,
-                                                           int64_t end, const int sym, const x_codes *x,
+// Rows m .. end - 1 of tile t (sym: the weight is symmetric, a literal at each call). The first pass over the tile
+// asks for the bytes of tile t + PREFETCH_TILES where that is below ``last``: the thread takes tiles t + 1, ... next.
+static inline __attribute__((always_inline)) void x16_rows(const tm_x16_weight *w, int64_t t, int64_t last,
+                                                           int64_t m, int64_t end, const int sym, const x_codes *x,
                                                            const float *bias, void *out, int out_bf16) {
-    for (; m + TILE_M <= end; m += TILE_M) x16_tile(w, t, m, TILE_M, sym, x, bias, out, out_bf16);
-    if (end - m >= 4) { x16_tile(w, t, m, 4, sym, x, bias, out, out_bf16); m += 4; }
-    if (end - m >= 2) { x16_tile(w, t, m, 2, sym, x, bias, out, out_bf16); m += 2; }
-    if (end - m >= 1) x16_tile(w, t, m, 1, sym, x, bias, out, out_bf16);
+    int64_t pf = t + PREFETCH_TILES < last ? t + PREFETCH_TILES : -1;
+    for (; m + TILE_M <= end; m += TILE_M, pf = -1) x16_tile(w, t, m, TILE_M, sym, x, bias, out, out_bf16, pf);
+    if (end - m >= 4) { x16_tile(w, t, m, 4, sym, x, bias, out, out_bf16, pf); m += 4; pf = -1; }
+    if (end - m >= 2) { x16_tile(w, t, m, 2, sym, x, bias, out, out_bf16, pf); m += 2; pf = -1; }
+    if (end - m >= 1) x16_tile(w, t, m, 1, sym, x, bias, out, out_bf16, pf);
 }
 
 // The offset this build's dot products take off a symmetric weight's codes (see the top of this file); 0: none
@@ -425,7 +456,7 @@ static inline __attribute__((always_inline)) void chunk_item(const tm_x16_weight
                                                              int64_t i, const float *bias, void *out, int out_bf16,
                                                              const int sym) {
     const int64_t tiles = (w->N + 15) / 16, m0 = i / tiles * X16_CHUNK_M;
-    x16_rows(w, i % tiles, m0, m0 + X16_CHUNK_M < M ? m0 + X16_CHUNK_M : M, sym, codes, bias, out, out_bf16);
+    x16_rows(w, i % tiles, tiles, m0, m0 + X16_CHUNK_M < M ? m0 + X16_CHUNK_M : M, sym, codes, bias, out, out_bf16);
 }
 
 // x [M][K] (float32, or bf16 where x_bf16) -> out [M][N] (+ bias [N], or NULL), float32 or bf16 (out_bf16), x's
@@ -441,15 +472,20 @@ static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const 
     const int sym = w->symmetric != 0;
 #pragma omp parallel
     {
+        // A decode-sized call (one chunk): thread i takes tiles [t0, t1), asking for the first one's bytes before it
+        // quantizes its share of x, for the rest a tile ahead (x16_rows).
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t t0 = tiles * id / threads, t1 = tiles * (id + 1) / threads;
+        if (chunks == 1 && t0 < t1)
+            for (int64_t b = 0; b < w->K / 32; b++) prefetch_block(w, t0, b);
         quantize_share(w, x, x_bf16, codes, blocks);
 #pragma omp barrier
         if (chunks == 1) {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < tiles; t++) {
+            for (int64_t t = t0; t < t1; t++) {
                 if (sym)
-                    x16_rows(w, t, 0, M, 1, codes, bias, out, out_bf16);
+                    x16_rows(w, t, t1, 0, M, 1, codes, bias, out, out_bf16);
                 else
-                    x16_rows(w, t, 0, M, 0, codes, bias, out, out_bf16);
+                    x16_rows(w, t, t1, 0, M, 0, codes, bias, out, out_bf16);
             }
         } else {
 #pragma omp for schedule(static)
