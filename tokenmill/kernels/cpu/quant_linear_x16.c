@@ -389,7 +389,10 @@ static int amx_linear(const tm_x16_weight *w, const float *x, int64_t M, float *
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             if (!bt) continue;
-            for (int64_t b = 0; b < blocks; b++) widen_block(w, t, b, bt + b * 512);
+            for (int64_t b = 0; b < blocks; b++) {  // (the next tile's bytes asked for meanwhile, as x16_rows does)
+                if (t + PREFETCH_TILES < tiles) prefetch_block(w, t + PREFETCH_TILES, b);
+                widen_block(w, t, b, bt + b * 512);
+            }
             for (int64_t m0 = 0; m0 < M; m0 += 32) amx_rows(w, t, m0, M, xb, bt, out);
         }
         _tile_release();
