@@ -436,9 +436,12 @@ static inline __attribute__((always_inline)) void prefetch_line(const char *p, i
 }
 
 // The next cache block's K and V runs (``tokens`` tokens from ``first``, heads h0.., ``run`` bytes each), asked
-// into the caches a slice of tokens at a time: slice ``r`` of ``slices`` goes out before row r of the current block
-// is computed, so the loads overlap that compute. (Blocks sit at random places, where the hardware prefetcher does
-// not follow; all the lines at once would fill the core's miss buffers and stall it instead.)
+// into the caches a slice of tokens at a time: slice ``r`` of ``slices`` goes out at the r-th of as many points spread
+// over the current block's compute (the bf16 walk: before each row's scores and before its softmax; the widening
+// path: before each row), so the loads overlap that compute. (Blocks sit at random places, where the hardware
+// prefetcher does not follow. All the lines at once fill the core's miss buffers and stall it: 1.7x slower from
+// memory on a Zen 5; a slice per row rather than two, 1.15-1.2x slower at 16-32 decodes: BENCHMARKS.md, issue 24,
+// "Memory asked for ahead".)
 static inline void prefetch_slice(const char *cache, int64_t first, int tokens, int slots, int h0, int Hkv, int D,
                                   int elem, int run, int r, int slices) {
     const int from = (int)((int64_t)r * tokens / slices), to = (int)((int64_t)(r + 1) * tokens / slices);
@@ -549,7 +552,8 @@ static inline __attribute__((always_inline)) void walk(
                 const int live = seen < n ? (seen > 0 ? seen : 0) : n;
                 for (int r = g0; r < g0 + G; r++) {
                     if (has_next && sub == 0)
-                        prefetch_slice((const char *)cache, next, block_size, slots, h0, Hkv, D, elem, run, r, rows);
+                        prefetch_slice((const char *)cache, next, block_size, slots, h0, Hkv, D, elem, run, 2 * r,
+                                       2 * rows);
                     if (!live) continue;
                     const uint16_t *qr = qb + (int64_t)r * D;
                     if (D == 64)
@@ -560,9 +564,13 @@ static inline __attribute__((always_inline)) void walk(
                         row_scores[r] = scores16(qr, k, live, row_stride, D);
                 }
                 if (!live) continue;
-                for (int r = g0; r < g0 + G; r++)
+                for (int r = g0; r < g0 + G; r++) {
+                    if (has_next && sub == 0)
+                        prefetch_slice((const char *)cache, next, block_size, slots, h0, Hkv, D, elem, run, 2 * r + 1,
+                                       2 * rows);
                     correction[r] = softmax16(row_scores[r], live, sm_scale, softcap, m + r, lanes + r, pb + r * SUB,
                                               kscale, vscale);
+                }
                 pv_group(arow + g0, correction + g0, pb + g0 * SUB, v, live, row_stride, D, G);
             }
         }

@@ -76,7 +76,7 @@ void tm_round_bf16(const float *src, uint16_t *dst, int64_t n);                 
 // its mins. Each block of the tile being computed asks for the same block of tile t + PREFETCH_TILES, so that a tile's
 // loads from memory overlap the work of the one before it. A decode-sized call reads its weight once, from memory in
 // a served step (the model's weights and the KV cache pass through the L3 between two calls of a layer), and left to
-// the hardware prefetcher alone such calls ran 1.1-1.9x slower (BENCHMARKS.md, issue 24, "Weights asked for a tile
+// the hardware prefetcher alone such calls ran 1.1-1.9x slower (BENCHMARKS.md, issue 24, "Memory asked for
 // ahead"). (As asm: GCC 12 drops __builtin_prefetch in some of these loops; see paged_attention.c.)
 static inline __attribute__((always_inline)) void prefetch_block(const tm_x16_weight *w, int64_t t, int64_t b) {
 #if defined(__x86_64__)
