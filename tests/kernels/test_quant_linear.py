@@ -247,7 +247,7 @@ def test_the_avx2_build_on_an_avx512_host():
     assert rows.stdout.strip() == "8", rows.stderr[-2000:]
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                             "kernel_matches_reference or held_interleaved or other_activation or bf16_calls or "
-                           "gguf_blocks or symmetric or activation_codes"],
+                           "gguf_blocks or symmetric or activation_codes or thread_count"],
                            env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and " failed" not in tests.stdout
@@ -276,6 +276,31 @@ def test_a_layer_gives_its_own_layout_back_to_another_backend():
     assert not layer.x16 and torch.equal(layer.qweight, t["qweight"])
     torch.testing.assert_close(layer.run(x), quant_linear_reference(x, fmt, t["qweight"], t["scales"], t["mins"]),
                                rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 32])
+def test_an_lm_heads_logits_are_float32_from_bf16_hidden_states(rows):
+    """A quantized LM head (as the default model's int8 one) given a bf16 model's hidden states: its logits are the
+    kernel's float32 products (DecoderLM.compute_logits through QuantLinear.run_float32), not rounded to bf16 (steps
+    of 0.125 at |logit| 16-32, which tied the best candidates and put logprobs on that grid)."""
+    from tokenmill.kernels.backend import KernelChoice
+    from tokenmill.models.layers.linear import QuantLinear
+    fmt = WeightFormat.parse("int8-g32")
+    t = weights(fmt, 300, 160)
+    t["scales"] *= 40  # logits of |16| and more, where a bf16 step is 0.125 or coarser
+    layer = QuantLinear(160, 300, bias=False, fmt=fmt)
+    for name in ("qweight", "scales"):
+        getattr(layer, name).copy_(t[name])
+    layer.kernels = KernelChoice(backend="cpu")
+    layer.prepare_cpu()
+    hidden = torch.randn(rows, 160).bfloat16()
+    ref = quant_linear_reference(hidden.float(), fmt, t["qweight"], t["scales"], None, int8_activations=True)
+    assert ref.abs().max() > 16
+    logits = layer.run_float32(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=5e-3)
+    assert not torch.equal(logits, logits.bfloat16().float())  # off the bf16 grid: a float32 result
 
 
 def test_int4_packing_round_trips_in_gguf_block_order():

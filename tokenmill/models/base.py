@@ -78,10 +78,10 @@ class DecoderLM(nn.Module):
                 module.kernels = choice
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> float32 logits [S, vocab] (every rank's vocabulary shard gathered); a quantized head
-        computes in float32 already."""
+        """hidden [S, hidden] -> float32 logits [S, vocab] (every rank's vocabulary shard gathered); a quantized head's
+        C kernel computes them in float32 (QuantLinear.run_float32)."""
         if isinstance(self.lm_head, QuantLinear):
-            logits = self.lm_head(hidden).float()
+            logits = self.lm_head.run_float32(hidden)
         else:
             logits = logits_with_exact_top(hidden, self.lm_head.weight, self.lm_head)
         if self.tp.size > 1:

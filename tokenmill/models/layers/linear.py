@@ -117,6 +117,16 @@ class QuantLinear(nn.Module):
             out = quant_linear(rows, self.fmt, self.qweight, self.scales, self.mins, self.bias, self.kernels.backend)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def run_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> float32 [..., N] (an LM head's logits): where the call takes the C kernel (``run``'s hot
+        path), its float32 result, given x in float32 (given bf16 it rounds its output to bf16: steps of 0.125 at a
+        logit of 16, ties among the best candidates and logprobs on that grid); otherwise ``run`` widened."""
+        kernel = self._cpu_kernel
+        if kernel is not None and self.input_perm is None and \
+                (self.dense_from_rows is None or x.numel() < self.dense_from_rows * self.in_features):
+            return kernel(x.float())
+        return self.run(x).float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and x.device.type == "cpu":
             return torch.ops.tokenmill.cpu_linear(x, self.index, self.out_features)
