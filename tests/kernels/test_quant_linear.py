@@ -282,7 +282,7 @@ def test_a_layer_gives_its_own_layout_back_to_another_backend():
 @pytest.mark.parametrize("rows", [1, 32])
 def test_an_lm_heads_logits_are_float32_from_bf16_hidden_states(rows):
     """A quantized LM head (as the default model's int8 one) given a bf16 model's hidden states: its logits are the
-    kernel's float32 products (DecoderLM.compute_logits through QuantLinear.run_float32), not rounded to bf16 (steps
+    kernel's float32 products (DecoderLM.compute_logits through QuantLinear.run(float32=True)), not rounded to bf16 (steps
     of 0.125 at |logit| 16-32, which tied the best candidates and put logprobs on that grid)."""
     from tokenmill.kernels.backend import KernelChoice
     from tokenmill.models.layers.linear import QuantLinear
@@ -297,7 +297,7 @@ def test_an_lm_heads_logits_are_float32_from_bf16_hidden_states(rows):
     hidden = torch.randn(rows, 160).bfloat16()
     ref = quant_linear_reference(hidden.float(), fmt, t["qweight"], t["scales"], None, int8_activations=True)
     assert ref.abs().max() > 16
-    logits = layer.run_float32(hidden)
+    logits = layer.run(hidden, float32=True)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=5e-3)
     assert not torch.equal(logits, logits.bfloat16().float())  # off the bf16 grid: a float32 result

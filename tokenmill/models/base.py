@@ -79,9 +79,9 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> float32 logits [S, vocab] (every rank's vocabulary shard gathered); a quantized head's
-        C kernel computes them in float32 (QuantLinear.run_float32)."""
+        C kernel computes them in float32 (QuantLinear.run's ``float32``)."""
         if isinstance(self.lm_head, QuantLinear):
-            logits = self.lm_head.run_float32(hidden)
+            logits = self.lm_head.run(hidden, float32=True).float()
         else:
             logits = logits_with_exact_top(hidden, self.lm_head.weight, self.lm_head)
         if self.tp.size > 1:

@@ -65,8 +65,8 @@ void *tm_thread_scratch(int64_t bytes);                                         
 void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n);                                 // paged_attention.c
 void tm_round_bf16(const float *src, uint16_t *dst, int64_t n);                                 // paged_attention.c
 
-// Tiles ahead of the one being computed whose bytes a call asks for (see prefetch_block). 1 was the fastest of 1, 2,
-// 4 and 8 on a Zen 5 at 1-128 rows (benchmarks/x16_builds.py --cold-mb; -DPREFETCH_TILES=N through
+// Tiles ahead of the one being computed whose bytes a call asks for (see prefetch_block). On a Zen 5 at 1-128 rows
+// 2 ran 0.93-1.09x as fast as 1 and 4 or 8 slower (benchmarks/x16_builds.py --cold-mb; -DPREFETCH_TILES=N through
 // TOKENMILL_CPU_KERNEL_FLAGS builds another distance).
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 1

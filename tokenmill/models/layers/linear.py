@@ -104,28 +104,21 @@ class QuantLinear(nn.Module):
         if perm is not None and torch.equal(perm, torch.arange(self.in_features, dtype=perm.dtype, device=perm.device)):
             self.input_perm = None
 
-    def run(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor, float32: bool = False) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype. ``float32`` (an LM head's logits): where the call takes the C kernel,
+        its float32 result, given x widened (given bf16 it rounds its output to bf16: steps of 0.125 at a logit of 16,
+        ties among the best candidates and logprobs on that grid); otherwise the result as it comes."""
         if self.input_perm is not None:
             x = x.index_select(-1, self.input_perm)
         kernel = self._cpu_kernel  # the hot path (a decode on a CPU) first: Python costs ~1 us a line here
         if kernel is not None and (self.dense_from_rows is None or x.numel() < self.dense_from_rows * self.in_features):
-            return kernel(x)
+            return kernel(x.float() if float32 else x)
         rows = x.reshape(-1, self.in_features)
         if self.dense_from_rows is not None and rows.shape[0] >= self.dense_from_rows:
             out = self.dense.run(rows) if self.dense is not None else F.linear(rows, self.weight, self.bias)
         else:
             out = quant_linear(rows, self.fmt, self.qweight, self.scales, self.mins, self.bias, self.kernels.backend)
         return out.view(*x.shape[:-1], self.out_features)
-
-    def run_float32(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> float32 [..., N] (an LM head's logits): where the call takes the C kernel (``run``'s hot
-        path), its float32 result, given x in float32 (given bf16 it rounds its output to bf16: steps of 0.125 at a
-        logit of 16, ties among the best candidates and logprobs on that grid); otherwise ``run`` widened."""
-        kernel = self._cpu_kernel
-        if kernel is not None and self.input_perm is None and \
-                (self.dense_from_rows is None or x.numel() < self.dense_from_rows * self.in_features):
-            return kernel(x.float())
-        return self.run(x).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and x.device.type == "cpu":
