@@ -186,6 +186,92 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
     }
 }
 
+#ifndef GROUP_M
+#define GROUP_M 4  // rows of x a group of tiles keeps in registers
+#endif
+#ifndef GROUP_T
+#define GROUP_T 3  // tiles computed together on a prompt's rows
+#endif
+
+// x16_tile over tiles t .. t + NT - 1 at once, for MR <= GROUP_M rows of a prompt: each of x's 4-code broadcasts
+// feeds NT vpdpbusd (one a tile), where a lone tile spends a load on each. Steps are unpacked as they are used.
+static inline __attribute__((always_inline)) void x16_group(const tm_x16_weight *w, int64_t t, int64_t m0,
+                                                            const int MR, const int NT, const int sym,
+                                                            const x_codes *x, const float *bias, void *out,
+                                                            int out_bf16) {
+    const int64_t blocks = w->K / 32, per_group = w->G / 32, groups = (w->K + w->G - 1) / w->G;
+    const int64_t step_bytes = w->kind == 0 ? 32 : 64, tile_bytes = blocks * 8 * step_bytes;
+    const uint8_t *qt = w->q + t * tile_bytes;
+    const int8_t *xq = x->q;
+    const float *xd = x->d, *xs = x->s;
+    const __m512i nibble = _mm512_set1_epi8(0x0F), shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    __m512 acc[GROUP_T][GROUP_M];
+#pragma GCC unroll 8
+    for (int j = 0; j < NT; j++)
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) acc[j][r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *qb = qt + b * 8 * step_bytes;
+        __m512i dot[GROUP_T][GROUP_M];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            const __m512i start = sym ? _mm512_set1_epi32(x->start[(m0 + r) * blocks + b]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int j = 0; j < NT; j++) dot[j][r] = start;
+        }
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            __m512i wj[GROUP_T];
+#pragma GCC unroll 8
+            for (int j = 0; j < NT; j++)
+                wj[j] = w->kind == 0 ? _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+                                           (const __m256i *)(qb + j * tile_bytes + 32 * s))), shifts), nibble)
+                                     : _mm512_loadu_si512((const void *)(qb + j * tile_bytes + 64 * s));
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) {
+                const __m512i xb = _mm512_set1_epi32(((const x4_t *)(xq + (m0 + r) * w->K + 32 * b))[s]);
+#pragma GCC unroll 8
+                for (int j = 0; j < NT; j++) dot[j][r] = _mm512_dpbusd_epi32(dot[j][r], wj[j], xb);
+            }
+        }
+        const int64_t at = (t * groups + b / per_group) * 16;
+        __m512 d[GROUP_T], mn[GROUP_T];
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; j++) {
+            d[j] = load16(w->d, at + j * groups * 16, w->d_f32);
+            mn[j] = _mm512_setzero_ps();
+            if (!sym) {
+                if (w->m) mn[j] = load16(w->m, at + j * groups * 16, w->m_f32);
+                if (w->kind == 1) mn[j] = _mm512_fnmadd_ps(d[j], _mm512_set1_ps(128.0f), mn[j]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            const int64_t xi = (m0 + r) * blocks + b;
+            const __m512 scale = _mm512_set1_ps(xd[xi]), sum = _mm512_set1_ps(sym ? 0.0f : xs[xi]);
+#pragma GCC unroll 8
+            for (int j = 0; j < NT; j++) {
+                acc[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j][r]), _mm512_mul_ps(d[j], scale), acc[j][r]);
+                if (!sym) acc[j][r] = _mm512_fmadd_ps(mn[j], sum, acc[j][r]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NT; j++) {
+        const int64_t n0 = 16 * (t + j);
+        const __mmask16 live = w->N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (w->N - n0)) - 1);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            const __m512 v = bias ? _mm512_add_ps(acc[j][r], bv) : acc[j][r];
+            if (out_bf16)
+                _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + (m0 + r) * w->N + n0, live, round_bf16_lanes(v));
+            else
+                _mm512_mask_storeu_ps((float *)out + (m0 + r) * w->N + n0, live, v);
+        }
+    }
+}
+
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TM_X16_AVX2 1
 #include <immintrin.h>
@@ -451,15 +537,40 @@ static inline void quantize_share(const tm_x16_weight *w, const void *x, int x_b
         for (int64_t i = i0; i < i1; i++) codes->start[i] *= -offset;
 }
 
-// Work item i of a prompt's tiles (M > X16_CHUNK_M), x's codes in ``codes``: (chunk of X16_CHUNK_M rows, tile),
-// chunk-major, so that split in contiguous ranges each tile reads only its chunk's x codes (X16_CHUNK_M x K bytes,
-// L2-resident) and the weight is re-read once a chunk (each tile over all the rows ran 1.1-1.6x slower at 256-2,048
-// rows, Zen 4, SmolLM2's shapes).
+#if defined(GROUP_M)
+// Rows m .. end - 1 of tiles t .. t + GROUP_T - 1 (all below the weight's tile count), GROUP_M rows at a time.
+static inline __attribute__((always_inline)) void group_rows(const tm_x16_weight *w, int64_t t, int64_t m,
+                                                             int64_t end, const int sym, const x_codes *x,
+                                                             const float *bias, void *out, int out_bf16) {
+    for (; m + GROUP_M <= end; m += GROUP_M) x16_group(w, t, m, GROUP_M, GROUP_T, sym, x, bias, out, out_bf16);
+    if (end - m >= 4) { x16_group(w, t, m, 4, GROUP_T, sym, x, bias, out, out_bf16); m += 4; }
+    if (end - m >= 2) { x16_group(w, t, m, 2, GROUP_T, sym, x, bias, out, out_bf16); m += 2; }
+    if (end - m >= 1) x16_group(w, t, m, 1, GROUP_T, sym, x, bias, out, out_bf16);
+}
+#define ITEM_TILES GROUP_T  // tiles of one work item of a prompt
+#else
+#define ITEM_TILES 1
+#endif
+
+// Work item i of a prompt's tiles (M > X16_CHUNK_M), x's codes in ``codes``: (chunk of X16_CHUNK_M rows, ITEM_TILES
+// tiles), chunk-major, so that split in contiguous ranges each tile reads only its chunk's x codes (X16_CHUNK_M x K
+// bytes, L2-resident) and the weight is re-read once a chunk (each tile over all the rows ran 1.1-1.6x slower at
+// 256-2,048 rows, Zen 4, SmolLM2's shapes). The last item of a tile count that ITEM_TILES does not divide takes the
+// tiles left one at a time.
 static inline __attribute__((always_inline)) void chunk_item(const tm_x16_weight *w, const x_codes *codes, int64_t M,
                                                              int64_t i, const float *bias, void *out, int out_bf16,
                                                              const int sym) {
-    const int64_t tiles = (w->N + 15) / 16, m0 = i / tiles * X16_CHUNK_M;
-    x16_rows(w, i % tiles, tiles, m0, m0 + X16_CHUNK_M < M ? m0 + X16_CHUNK_M : M, sym, codes, bias, out, out_bf16);
+    const int64_t tiles = (w->N + 15) / 16, items = (tiles + ITEM_TILES - 1) / ITEM_TILES;
+    const int64_t m0 = i / items * X16_CHUNK_M, end = m0 + X16_CHUNK_M < M ? m0 + X16_CHUNK_M : M;
+    const int64_t t = i % items * ITEM_TILES;
+#if defined(GROUP_M)
+    if (t + GROUP_T <= tiles) {
+        group_rows(w, t, m0, end, sym, codes, bias, out, out_bf16);
+        return;
+    }
+#endif
+    for (int64_t u = t; u < tiles && u < t + ITEM_TILES; u++)
+        x16_rows(w, u, tiles, m0, end, sym, codes, bias, out, out_bf16);
 }
 
 // x [M][K] (float32, or bf16 where x_bf16) -> out [M][N] (+ bias [N], or NULL), float32 or bf16 (out_bf16), x's
@@ -473,6 +584,7 @@ static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const 
                        const float *bias, void *out, int out_bf16) {
     const int64_t tiles = (w->N + 15) / 16, chunks = (M + X16_CHUNK_M - 1) / X16_CHUNK_M, blocks = M * (w->K / 32);
     const int sym = w->symmetric != 0;
+    const int64_t items = chunks * ((tiles + ITEM_TILES - 1) / ITEM_TILES);  // a prompt's work items (chunk_item)
 #pragma omp parallel
     {
         // A decode-sized call (one chunk): thread i takes tiles [t0, t1), asking for the first one's bytes before it
@@ -492,7 +604,7 @@ static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const 
             }
         } else {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < chunks * tiles; i++) {
+            for (int64_t i = 0; i < items; i++) {
                 if (sym)
                     chunk_item(w, codes, M, i, bias, out, out_bf16, 1);
                 else
