@@ -44,12 +44,12 @@ def test_kernel_matches_reference(name, rows):
 @needs_kernels
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
 @pytest.mark.parametrize("out_features", [5, 20, 37, 100])
-@pytest.mark.parametrize("rows", [3, 134])  # 134: a second chunk of 4 + 2 rows
+@pytest.mark.parametrize("rows", [3, 42, 134])  # 42: 4 x 10 + 2; 134: a second chunk of 4 + 2 rows
 def test_every_tile_is_computed_whatever_the_thread_count(threads, out_features, rows):
     """A decode-sized call splits the weight's 16-row tiles into one range per thread (each thread asking for its next
-    tile's bytes ahead): with more threads than tiles some ranges are empty, and every output still comes out. A
-    prompt-sized call (past one chunk) computes tiles three at a time on the VNNI build: 1, 2, 3 and 7 tiles leave
-    none, one or two to take alone."""
+    tile's bytes ahead): with more threads than tiles some ranges are empty, and every output still comes out. From
+    32 rows on (and in every chunk of a prompt-sized call) the VNNI build computes tiles three at a time: 1, 2, 3 and
+    7 tiles, split among the threads, leave none, one or two to take alone."""
     fmt = WeightFormat.parse("int4-g32")
     t = weights(fmt, out_features, 96)
     x = torch.randn(rows, 96)

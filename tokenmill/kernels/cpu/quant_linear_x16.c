@@ -186,19 +186,30 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
     }
 }
 
+// Tiles computed together, and the rows of x they keep in registers (4 x 3 dot products and accumulators): each of
+// x's 4-code broadcasts then feeds GROUP_T vpdpbusd, where a lone tile spends a load on each. Calls of GROUP_FROM_ROWS
+// rows and more take groups (prompts in every chunk). On a Zen 5, from memory (x16_builds.py --cold-mb 96), against
+// the lone tile: 1.02-1.08x at 32 rows, 1.04-1.11x at 48-128, 1.08-1.10x at 2,048 (Q8_0 1.17-1.20x); 0.93-0.98x at
+// 8-16 rows, where the weight's bytes, not the loads, set the pace. 7 rows x 2 tiles ran about as fast, 3 x 4 slower.
 #ifndef GROUP_M
-#define GROUP_M 4  // rows of x a group of tiles keeps in registers
+#define GROUP_M 4
 #endif
 #ifndef GROUP_T
-#define GROUP_T 3  // tiles computed together on a prompt's rows
+#define GROUP_T 3
+#endif
+#ifndef GROUP_FROM_ROWS
+#define GROUP_FROM_ROWS 32
 #endif
 
-// x16_tile over tiles t .. t + NT - 1 at once, for MR <= GROUP_M rows of a prompt: each of x's 4-code broadcasts
-// feeds NT vpdpbusd (one a tile), where a lone tile spends a load on each. Steps are unpacked as they are used.
+// x16_tile over tiles t .. t + NT - 1 at once, for MR <= GROUP_M rows; steps unpacked as they are used (NT tiles'
+// 8 steps would not fit in the registers beside the rows'). Where ``prefetch`` (a literal at each call: the loop is
+// compiled out of the other instance, where its mere presence cost gate_up 1.15x at 2,048 rows), each block asks for
+// the same block of tiles pf .. pf_end - 1 (none where pf_end <= pf): the next group's, on a first pass over the rows.
 static inline __attribute__((always_inline)) void x16_group(const tm_x16_weight *w, int64_t t, int64_t m0,
                                                             const int MR, const int NT, const int sym,
                                                             const x_codes *x, const float *bias, void *out,
-                                                            int out_bf16) {
+                                                            int out_bf16, const int prefetch, int64_t pf,
+                                                            int64_t pf_end) {
     const int64_t blocks = w->K / 32, per_group = w->G / 32, groups = (w->K + w->G - 1) / w->G;
     const int64_t step_bytes = w->kind == 0 ? 32 : 64, tile_bytes = blocks * 8 * step_bytes;
     const uint8_t *qt = w->q + t * tile_bytes;
@@ -211,6 +222,8 @@ static inline __attribute__((always_inline)) void x16_group(const tm_x16_weight 
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) acc[j][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        if (prefetch)
+            for (int64_t u = pf; u < pf_end; u++) prefetch_block(w, u, b);
         const uint8_t *qb = qt + b * 8 * step_bytes;
         __m512i dot[GROUP_T][GROUP_M];
 #pragma GCC unroll 8
@@ -539,13 +552,23 @@ static inline void quantize_share(const tm_x16_weight *w, const void *x, int x_b
 
 #if defined(GROUP_M)
 // Rows m .. end - 1 of tiles t .. t + GROUP_T - 1 (all below the weight's tile count), GROUP_M rows at a time.
-static inline __attribute__((always_inline)) void group_rows(const tm_x16_weight *w, int64_t t, int64_t m,
-                                                             int64_t end, const int sym, const x_codes *x,
-                                                             const float *bias, void *out, int out_bf16) {
-    for (; m + GROUP_M <= end; m += GROUP_M) x16_group(w, t, m, GROUP_M, GROUP_T, sym, x, bias, out, out_bf16);
-    if (end - m >= 4) { x16_group(w, t, m, 4, GROUP_T, sym, x, bias, out, out_bf16); m += 4; }
-    if (end - m >= 2) { x16_group(w, t, m, 2, GROUP_T, sym, x, bias, out, out_bf16); m += 2; }
-    if (end - m >= 1) x16_group(w, t, m, 1, GROUP_T, sym, x, bias, out, out_bf16);
+// Where ``prefetch``, the first pass asks for the bytes of the group after this one, those of its tiles below ``last``.
+static inline __attribute__((always_inline)) void group_rows(const tm_x16_weight *w, int64_t t, int64_t last,
+                                                             int64_t m, int64_t end, const int sym, const x_codes *x,
+                                                             const float *bias, void *out, int out_bf16,
+                                                             const int prefetch) {
+    int64_t pf = t + GROUP_T, pf_end = t + 2 * GROUP_T < last ? t + 2 * GROUP_T : last;
+    for (; m + GROUP_M <= end; m += GROUP_M, pf_end = pf)
+        x16_group(w, t, m, GROUP_M, GROUP_T, sym, x, bias, out, out_bf16, prefetch, pf, pf_end);
+    if (end - m >= 4) {
+        x16_group(w, t, m, 4, GROUP_T, sym, x, bias, out, out_bf16, prefetch, pf, pf_end);
+        m += 4, pf_end = pf;
+    }
+    if (end - m >= 2) {
+        x16_group(w, t, m, 2, GROUP_T, sym, x, bias, out, out_bf16, prefetch, pf, pf_end);
+        m += 2, pf_end = pf;
+    }
+    if (end - m >= 1) x16_group(w, t, m, 1, GROUP_T, sym, x, bias, out, out_bf16, prefetch, pf, pf_end);
 }
 #define ITEM_TILES GROUP_T  // tiles of one work item of a prompt
 #else
@@ -565,7 +588,8 @@ static inline __attribute__((always_inline)) void chunk_item(const tm_x16_weight
     const int64_t t = i % items * ITEM_TILES;
 #if defined(GROUP_M)
     if (t + GROUP_T <= tiles) {
-        group_rows(w, t, m0, end, sym, codes, bias, out, out_bf16);
+        // no prefetch: a prompt's chunk finds the weight in the L2
+        group_rows(w, t, tiles, m0, end, sym, codes, bias, out, out_bf16, 0);
         return;
     }
 #endif
@@ -588,7 +612,7 @@ static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const 
 #pragma omp parallel
     {
         // A decode-sized call (one chunk): thread i takes tiles [t0, t1), asking for the first one's bytes before it
-        // quantizes its share of x, for the rest a tile ahead (x16_rows).
+        // quantizes its share of x, for the rest a tile (x16_rows) or a group (group_rows) ahead.
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t t0 = tiles * id / threads, t1 = tiles * (id + 1) / threads;
         if (chunks == 1 && t0 < t1)
@@ -596,7 +620,16 @@ static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const 
         quantize_share(w, x, x_bf16, codes, blocks);
 #pragma omp barrier
         if (chunks == 1) {
-            for (int64_t t = t0; t < t1; t++) {
+            int64_t t = t0;
+#if defined(GROUP_M)
+            for (; M >= GROUP_FROM_ROWS && t + GROUP_T <= t1; t += GROUP_T) {
+                if (sym)
+                    group_rows(w, t, t1, 0, M, 1, codes, bias, out, out_bf16, 1);
+                else
+                    group_rows(w, t, t1, 0, M, 0, codes, bias, out, out_bf16, 1);
+            }
+#endif
+            for (; t < t1; t++) {
                 if (sym)
                     x16_rows(w, t, t1, 0, M, 1, codes, bias, out, out_bf16);
                 else
