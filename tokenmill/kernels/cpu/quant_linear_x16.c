@@ -187,10 +187,12 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
 }
 
 // Tiles computed together, and the rows of x they keep in registers (4 x 3 dot products and accumulators): each of
-// x's 4-code broadcasts then feeds GROUP_T vpdpbusd, where a lone tile spends a load on each. Calls of GROUP_FROM_ROWS
-// rows and more take groups (prompts in every chunk). On a Zen 5, from memory (x16_builds.py --cold-mb 96), against
-// the lone tile: 1.02-1.08x at 32 rows, 1.04-1.11x at 48-128, 1.08-1.10x at 2,048 (Q8_0 1.17-1.20x); 0.93-0.98x at
-// 8-16 rows, where the weight's bytes, not the loads, set the pace. 7 rows x 2 tiles ran about as fast, 3 x 4 slower.
+// x's 4-code broadcasts then feeds GROUP_T vpdpbusd, where a lone tile spends a load on each. Prompts take groups in
+// every chunk; decode-sized calls (one chunk) from GROUP_FROM_ROWS rows on, int4 weights only. On a Zen 5, from memory
+// (x16_builds.py --cold-mb 96), against the lone tile: int4 1.00-1.09x at 32 rows, 1.05-1.11x at 64-128, 1.08-1.12x
+// at 256-2,048; 0.93-0.98x at 8-16 rows, where the weight's bytes, not the loads, set the pace. int8 1.08-1.23x at
+// 256-2,048, but 0.86-0.92x at 32 rows (the LM head: a group and the next one's bytes asked for overflow the L1;
+// asking into the L2 instead did no better). 7 rows x 2 tiles ran about as fast as 4 x 3, 3 x 4 slower.
 #ifndef GROUP_M
 #define GROUP_M 4
 #endif
@@ -622,7 +624,7 @@ static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const 
         if (chunks == 1) {
             int64_t t = t0;
 #if defined(GROUP_M)
-            for (; M >= GROUP_FROM_ROWS && t + GROUP_T <= t1; t += GROUP_T) {
+            for (; w->kind == 0 && M >= GROUP_FROM_ROWS && t + GROUP_T <= t1; t += GROUP_T) {
                 if (sym)
                     group_rows(w, t, t1, 0, M, 1, codes, bias, out, out_bf16, 1);
                 else
