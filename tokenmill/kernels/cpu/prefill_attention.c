@@ -219,7 +219,7 @@ static void keys_vec(const uint16_t *kp, const uint16_t *vt, int64_t Lp, int D, 
 }
 #endif
 
-#if defined(TM_PREFILL_VEC) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(TM_PREFILL_VEC) && defined(TM_HAS_AMX)
 #define TM_PREFILL_AMX 1
 
 // GCC's tile intrinsics paste their tile number into the assembly: literal numbers only.

@@ -44,7 +44,55 @@ static inline __m512 tm_exp16(__m512 x) {
 }
 #endif
 
-#if defined(__AMX_TILE__)
+#if defined(TM_AMX_EMULATE) && !defined(__AMX_TILE__) && defined(__AVX512BF16__)
+// A test build's stand-in for the tile instructions the kernels use (TOKENMILL_CPU_KERNEL_FLAGS=-DTM_AMX_EMULATE on a
+// host with AVX512-BF16 and no AMX): plain C over per-thread arrays, every tile 16 rows of 64 bytes (the one shape
+// tm_configure_tiles sets), so that the AMX builds' blocking and layouts run, and are tested, where no AMX is. Not for
+// speed. tdpbf16ps: C[m][n] (float32) += sum over k < 16 of A's pair k of row m times B's row k, pair n.
+#define TM_HAS_AMX 1
+#define TM_AMX_EMULATED 1
+static __thread uint8_t tm_emulated_tiles[8][16][64] __attribute__((aligned(64)));
+
+static inline void tm_emulated_load(int t, const void *p, int64_t stride) {
+    for (int r = 0; r < 16; r++) memcpy(tm_emulated_tiles[t][r], (const char *)p + r * stride, 64);
+}
+
+static inline void tm_emulated_store(int t, void *p, int64_t stride) {
+    for (int r = 0; r < 16; r++) memcpy((char *)p + r * stride, tm_emulated_tiles[t][r], 64);
+}
+
+static inline void tm_emulated_dpbf16ps(int c, int a, int b) {
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 16; n++) {
+            float sum;
+            memcpy(&sum, &tm_emulated_tiles[c][m][4 * n], 4);
+            for (int k = 0; k < 16; k++) {
+                uint16_t a0, a1, b0, b1;
+                memcpy(&a0, &tm_emulated_tiles[a][m][4 * k], 2);
+                memcpy(&a1, &tm_emulated_tiles[a][m][4 * k + 2], 2);
+                memcpy(&b0, &tm_emulated_tiles[b][k][4 * n], 2);
+                memcpy(&b1, &tm_emulated_tiles[b][k][4 * n + 2], 2);
+                sum += tm_bf16_value(a0) * tm_bf16_value(b0) + tm_bf16_value(a1) * tm_bf16_value(b1);
+            }
+            memcpy(&tm_emulated_tiles[c][m][4 * n], &sum, 4);
+        }
+}
+
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_dpbf16ps
+#undef _tile_release
+#define _tile_loadd(t, p, stride) tm_emulated_load(t, p, stride)
+#define _tile_stored(t, p, stride) tm_emulated_store(t, p, stride)
+#define _tile_zero(t) memset(tm_emulated_tiles[t], 0, sizeof tm_emulated_tiles[t])
+#define _tile_dpbf16ps(c, a, b) tm_emulated_dpbf16ps(c, a, b)
+#define _tile_release() ((void)0)
+
+static inline void tm_configure_tiles(int count) { (void)count; }
+
+#elif defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TM_HAS_AMX 1
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
