@@ -220,6 +220,24 @@ def test_amx_build_matches_its_definition(name, rows):
 
 
 @needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_build_over_several_panels_of_rows(dtype):
+    """2,048 inputs: x's rows go in panels of 256 (the blocked codes of a panel fill 1 MiB), so 300 rows make a full
+    panel and a part of one; 37 outputs: a pair of weight tiles and one alone; bf16 in and out as a bf16 model
+    calls it."""
+    from tokenmill.kernels.quant_linear import CPUQuantMatmul
+    fmt = WeightFormat.parse("int4-g32")
+    t = weights(fmt, 37, 2048)
+    x, bias = (torch.randn(300, 2048) * 3).to(dtype), torch.randn(37)
+    kernel = CPUQuantMatmul(fmt, t["qweight"], t["scales"], t["mins"], bias, amx_from_rows=1)
+    want = bf16_product(x.float(), fmt, t, bias)
+    got = kernel(x)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want if dtype == torch.float32 else want.bfloat16().float(),
+                               rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=2e-3)
+
+
+@needs_amx
 def test_a_layer_takes_the_amx_build_from_its_threshold():
     """Below ``amx_from_rows`` the integer build (int8 activations), from it the AMX one, over the same buffers."""
     from tokenmill.kernels.backend import KernelChoice

@@ -388,13 +388,18 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
 
 // Every tile is 16 rows of 64 bytes: C 16 x 16 float32 (x rows by output rows), A 16 x 32 bf16 (x rows by the 32
 // inputs of a block), B 16 pairs of inputs x 16 output rows x 2 bf16 (the pair's two inputs of one output row).
-// C0 / A0 hold x rows m0 .. m0 + 15, C1 / A1 the next 16.
+// A call's products go 32 x rows by 32 output rows at a time (two weight tiles): C_ij holds x rows m0 + 16 i .. by
+// weight tile t + j, from A_i (those x rows) and B_j (tile t + j's block), so that each tile loaded feeds two
+// products (all eight tiles of the register file in use).
 // (#defines, not an enum, and the wrappers below: GCC's tile intrinsics paste their tile number into the assembly.)
-#define TILE_C0 0
-#define TILE_C1 1
-#define TILE_A0 2
-#define TILE_A1 3
-#define TILE_B 4
+#define TILE_C00 0
+#define TILE_C01 1
+#define TILE_C10 2
+#define TILE_C11 3
+#define TILE_A0 4
+#define TILE_A1 5
+#define TILE_B0 6
+#define TILE_B1 7
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_LOAD(t, p, stride) _tile_loadd(t, p, stride)
 #define TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
@@ -439,62 +444,110 @@ static inline void widen_block(const tm_x16_weight *w, int64_t t, int64_t b, uin
     }
 }
 
-// out[m0 + r][16 t ..] for the x rows r < 32 at m0 (rows past M were zeroed in xb): two C tiles of 16 x rows share
-// each B tile.
-static void amx_rows(const tm_x16_weight *w, int64_t t, int64_t m0, int64_t M, const uint16_t *xb,
-                     const uint16_t *bt, float *out) {
-    const int64_t K = w->K, blocks = K / 32, n0 = 16 * t;
+// Rows m0 .. m0 + 31 (fewer where M ends first) of out, for weight tile t and, where ``pair``, t + 1, from x's
+// blocked bf16 codes xb (see pack_rows) and the tiles' widened blocks bt (tile t's, then tile t + 1's); plus bias,
+// rounded to bf16 where out_bf16.
+static void amx_rows(const tm_x16_weight *w, int64_t t, int pair, int64_t m0, int64_t M, const uint16_t *xb,
+                     const uint16_t *bt, const float *bias, void *out, int out_bf16) {
+    const int64_t blocks = w->K / 32;
     const int two = M - m0 > 16;
-    float sums[2][256] __attribute__((aligned(64)));
-    TILE_ZERO(TILE_C0);
-    TILE_ZERO(TILE_C1);
+    const uint16_t *a0 = xb + m0 * w->K, *a1 = a0 + 16 * w->K, *b1 = bt + blocks * 512;
+    float sums[4][256] __attribute__((aligned(64)));  // C_ij at sums[2 i + j]
+    TILE_ZERO(TILE_C00);
+    TILE_ZERO(TILE_C01);
+    TILE_ZERO(TILE_C10);
+    TILE_ZERO(TILE_C11);
     for (int64_t b = 0; b < blocks; b++) {
-        TILE_LOAD(TILE_B, bt + b * 512, 64);
-        TILE_LOAD(TILE_A0, xb + m0 * K + 32 * b, K * 2);
-        TILE_DPBF16PS(TILE_C0, TILE_A0, TILE_B);
+        TILE_LOAD(TILE_A0, a0 + b * 512, 64);
+        TILE_LOAD(TILE_B0, bt + b * 512, 64);
+        TILE_DPBF16PS(TILE_C00, TILE_A0, TILE_B0);
+        if (pair) {
+            TILE_LOAD(TILE_B1, b1 + b * 512, 64);
+            TILE_DPBF16PS(TILE_C01, TILE_A0, TILE_B1);
+        }
         if (two) {
-            TILE_LOAD(TILE_A1, xb + (m0 + 16) * K + 32 * b, K * 2);
-            TILE_DPBF16PS(TILE_C1, TILE_A1, TILE_B);
+            TILE_LOAD(TILE_A1, a1 + b * 512, 64);
+            TILE_DPBF16PS(TILE_C10, TILE_A1, TILE_B0);
+            if (pair) TILE_DPBF16PS(TILE_C11, TILE_A1, TILE_B1);
         }
     }
-    TILE_STORE(TILE_C0, sums[0], 64);
-    if (two) TILE_STORE(TILE_C1, sums[1], 64);
+    TILE_STORE(TILE_C00, sums[0], 64);
+    TILE_STORE(TILE_C01, sums[1], 64);
+    TILE_STORE(TILE_C10, sums[2], 64);
+    TILE_STORE(TILE_C11, sums[3], 64);
     const int64_t rows = M - m0 < 32 ? M - m0 : 32;
-    const __mmask16 live = w->N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (w->N - n0)) - 1);
-    for (int64_t r = 0; r < rows; r++)
-        _mm512_mask_storeu_ps(out + (m0 + r) * w->N + n0, live, _mm512_load_ps(sums[r / 16] + 16 * (r % 16)));
+    for (int j = 0; j <= pair; j++) {
+        const int64_t n0 = 16 * (t + j);
+        const __mmask16 live = w->N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (w->N - n0)) - 1);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + n0) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; r++) {
+            const __m512 v = _mm512_add_ps(_mm512_load_ps(sums[2 * (r / 16) + j] + 16 * (r % 16)), bv);
+            if (out_bf16)
+                _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + (m0 + r) * w->N + n0, live, round_bf16_lanes(v));
+            else
+                _mm512_mask_storeu_ps((float *)out + (m0 + r) * w->N + n0, live, v);
+        }
+    }
 }
 
-// x [M][K] float32 -> xb [Mp][K] bf16, rounded to nearest even; rows M..Mp-1 zero.
-static void round_rows(const float *x, int64_t M, int64_t Mp, int64_t K, uint16_t *xb) {
-    memset(xb + M * K, 0, (size_t)((Mp - M) * K) * 2);
-    for (int64_t i = 0; i < M * K; i += 16)
-        _mm256_storeu_si256((__m256i *)(xb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+// x [M][K] (float32, rounded to nearest even, or bf16 as it is: x_bf16) -> xb in A-tile order: for each 16 rows,
+// each block of 32 inputs, the 16 x 32 bf16 of that A tile contiguous (1 KB), so that a tile load reads one run and
+// the next block's follows it; rows M .. Mp - 1 zero.
+static void pack_rows(const void *x, int x_bf16, int64_t M, int64_t Mp, int64_t K, uint16_t *xb) {
+    const int64_t blocks = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < Mp; m++) {
+        uint16_t *row = xb + (m / 16) * 16 * K + (m % 16) * 32;  // block b of row m at row + b * 512
+        for (int64_t b = 0; b < blocks; b++) {
+            __m512i v = _mm512_setzero_si512();
+            if (m < M)
+                v = x_bf16 ? _mm512_loadu_si512((const void *)((const uint16_t *)x + m * K + 32 * b))
+                           : (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps((const float *)x + m * K + 32 * b + 16),
+                                                          _mm512_loadu_ps((const float *)x + m * K + 32 * b));
+            _mm512_storeu_si512((void *)(row + b * 512), v);
+        }
+    }
 }
 
-// 0, or -2 when memory runs out.
-static int amx_linear(const tm_x16_weight *w, const float *x, int64_t M, float *out) {
+// x rows a panel holds: the blocked codes of so many rows fill at most about 1 MiB (a core's L2 share), so that the
+// weight tiles of a panel all find its x there; at least 32.
+static inline int64_t panel_rows(int64_t K) {
+    const int64_t rows = ((int64_t)1 << 20) / (K * 2) / 32 * 32;
+    return rows > 32 ? rows : 32;
+}
+
+// 0, or -2 when memory runs out. Panels of x rows, outer; within each the threads take pairs of weight tiles, each
+// widened once a panel (its bytes asked for a pair ahead) and multiplied with the panel's rows 32 at a time.
+static int amx_linear(const tm_x16_weight *w, const void *x, int x_bf16, int64_t M, const float *bias, void *out,
+                      int out_bf16) {
     const int64_t K = w->K, blocks = K / 32, Mp = (M + 15) / 16 * 16, tiles = (w->N + 15) / 16;
+    const int64_t pairs = (tiles + 1) / 2, panel = panel_rows(K);
     uint16_t *xb = (uint16_t *)aligned_alloc(64, (size_t)((Mp * K * 2 + 63) / 64 * 64));
     if (!xb) return -2;
-    round_rows(x, M, Mp, K, xb);
+    pack_rows(x, x_bf16, M, Mp, K, xb);
     int failed = 0;
 #pragma omp parallel
     {
-        uint16_t *bt = (uint16_t *)tm_thread_scratch(blocks * 1024);  // each block's B tile
+        uint16_t *bt = (uint16_t *)tm_thread_scratch(2 * blocks * 1024);  // two tiles' B tiles, block by block
         if (!bt) {
 #pragma omp atomic write
             failed = 1;
         }
-        tm_configure_tiles(5);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            if (!bt) continue;
-            for (int64_t b = 0; b < blocks; b++) {  // (the next tile's bytes asked for meanwhile, as x16_rows does)
-                if (t + PREFETCH_TILES < tiles) prefetch_block(w, t + PREFETCH_TILES, b);
-                widen_block(w, t, b, bt + b * 512);
+        tm_configure_tiles(8);
+        for (int64_t p0 = 0; p0 < M; p0 += panel) {
+            const int64_t p1 = p0 + panel < M ? p0 + panel : M;
+#pragma omp for schedule(static) nowait
+            for (int64_t i = 0; i < pairs; i++) {
+                if (!bt) continue;
+                const int64_t t = 2 * i;
+                const int pair = t + 1 < tiles;
+                for (int j = 0; j <= pair; j++)
+                    for (int64_t b = 0; b < blocks; b++) {
+                        if (t + 2 + j < tiles) prefetch_block(w, t + 2 + j, b);
+                        widen_block(w, t + j, b, bt + (j * blocks + b) * 512);
+                    }
+                for (int64_t m0 = p0; m0 < p1; m0 += 32) amx_rows(w, t, pair, m0, p1, xb, bt, bias, out, out_bf16);
             }
-            for (int64_t m0 = 0; m0 < M; m0 += 32) amx_rows(w, t, m0, M, xb, bt, out);
         }
         _tile_release();
     }
@@ -666,26 +719,6 @@ int tm_x16_register_rows(void) {
 #endif
 }
 
-#if defined(TM_AMX)
-// amx_linear with bias and bf16 I/O around it (the tiles take float32 rows and write float32). 0, -2 (memory).
-static int amx_call(const tm_x16_weight *w, const void *x, int64_t M, const float *bias, void *out, int bf16_io) {
-    if (!bf16_io) {
-        if (amx_linear(w, (const float *)x, M, (float *)out) != 0) return -2;
-        if (bias) tm_add_bias((float *)out, M, w->N, bias);
-        return 0;
-    }
-    float *buffer = (float *)malloc((size_t)(M * (w->K + w->N)) * sizeof(float));
-    if (!buffer) return -2;
-    tm_widen_bf16((const uint16_t *)x, buffer, M * w->K);
-    int code = amx_linear(w, buffer, M, buffer + M * w->K) != 0 ? -2 : 0;
-    if (code == 0) {
-        if (bias) tm_add_bias(buffer + M * w->K, M, w->N, bias);
-        tm_round_bf16(buffer + M * w->K, (uint16_t *)out, M * w->N);
-    }
-    free(buffer);
-    return code;
-}
-#endif
 
 // x [M][K] -> out [M][N] (+ bias [N] float32, or NULL); x and out float32, or both bf16 (bf16_io: the model's own
 // dtype, read and rounded here, so that a bf16 model's call makes no conversions of its own). Returns 0, -1
@@ -693,7 +726,7 @@ static int amx_call(const tm_x16_weight *w, const void *x, int64_t M, const floa
 int tm_quant_linear_x16(const tm_x16_weight *w, const void *x, int64_t M, const float *bias, void *out, int bf16_io) {
 #if defined(TM_AMX)
     if (w->amx_from_rows > 0 && M >= w->amx_from_rows && tm_amx_available())
-        return amx_call(w, x, M, bias, out, bf16_io);
+        return amx_linear(w, x, bf16_io, M, bias, out, bf16_io);
 #endif
 #if defined(TM_VNNI) || defined(TM_X16_AVX2)
     x_codes codes;
