@@ -60,9 +60,7 @@ typedef struct {
 int tm_alloc_codes(int64_t M, int64_t K, int8_t **xq, float **xd, float **xs, int32_t **xsum);  // quant_linear.c
 void tm_quantize_blocks(const void *x, int x_bf16, int64_t i0, int64_t i1, int8_t *xq, float *xd,  // quant_linear.c
                         float *xs, int32_t *xsum);
-void tm_add_bias(float *out, int64_t M, int64_t N, const float *bias);                           // quant_linear.c
 void *tm_thread_scratch(int64_t bytes);                                                         // quant_linear.c
-void tm_widen_bf16(const uint16_t *src, float *dst, int64_t n);                                 // paged_attention.c
 void tm_round_bf16(const float *src, uint16_t *dst, int64_t n);                                 // paged_attention.c
 
 // Tiles ahead of the one being computed whose bytes a call asks for (see prefetch_block). On a Zen 5 at 1-128 rows
@@ -656,6 +654,41 @@ static inline __attribute__((always_inline)) void chunk_item(const tm_x16_weight
         x16_rows(w, u, tiles, m0, end, sym, codes, bias, out, out_bf16);
 }
 
+// The prompt path and the decode-sized groups, each variant a function of its own (noinline, a literal ``sym`` in
+// each) called from inside x16_linear's region: inlined there, their twelve instances made the region's function
+// 114 KB, around a decode path that runs a few hundred bytes of it (now 21 KB; 41 KB before the groups). (1-row calls
+// were timed at 0.92-1.04x either way: within x16_builds.py's spread at one row, 0.93x for a build against itself.)
+#if defined(GROUP_M)
+// A decode-sized call's tiles t .. t1 - 1 (this thread's), GROUP_T at a time while whole groups remain; returns the
+// first tile left.
+static __attribute__((noinline)) int64_t decode_groups_sym(const tm_x16_weight *w, const x_codes *codes, int64_t M,
+                                                           int64_t t, int64_t t1, const float *bias, void *out,
+                                                           int out_bf16) {
+    for (; t + GROUP_T <= t1; t += GROUP_T) group_rows(w, t, t1, 0, M, 1, codes, bias, out, out_bf16, 1);
+    return t;
+}
+
+static __attribute__((noinline)) int64_t decode_groups(const tm_x16_weight *w, const x_codes *codes, int64_t M,
+                                                       int64_t t, int64_t t1, const float *bias, void *out,
+                                                       int out_bf16) {
+    for (; t + GROUP_T <= t1; t += GROUP_T) group_rows(w, t, t1, 0, M, 0, codes, bias, out, out_bf16, 1);
+    return t;
+}
+#endif
+
+// This thread's share of a prompt's work items (an orphaned ``omp for``: called by every thread of the region).
+static __attribute__((noinline)) void prompt_items_sym(const tm_x16_weight *w, const x_codes *codes, int64_t M,
+                                                       int64_t items, const float *bias, void *out, int out_bf16) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < items; i++) chunk_item(w, codes, M, i, bias, out, out_bf16, 1);
+}
+
+static __attribute__((noinline)) void prompt_items(const tm_x16_weight *w, const x_codes *codes, int64_t M,
+                                                   int64_t items, const float *bias, void *out, int out_bf16) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < items; i++) chunk_item(w, codes, M, i, bias, out, out_bf16, 0);
+}
+
 // x [M][K] (float32, or bf16 where x_bf16) -> out [M][N] (+ bias [N], or NULL), float32 or bf16 (out_bf16), x's
 // codes going to ``codes`` (room for M rows: tm_alloc_codes). One parallel region: the threads quantize x's blocks,
 // then (after the barrier: a tile reads every row's codes) compute the tiles, which write out themselves (no pass over
@@ -681,12 +714,9 @@ static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const 
         if (chunks == 1) {
             int64_t t = t0;
 #if defined(GROUP_M)
-            for (; w->kind == 0 && M >= GROUP_FROM_ROWS && t + GROUP_T <= t1; t += GROUP_T) {
-                if (sym)
-                    group_rows(w, t, t1, 0, M, 1, codes, bias, out, out_bf16, 1);
-                else
-                    group_rows(w, t, t1, 0, M, 0, codes, bias, out, out_bf16, 1);
-            }
+            if (w->kind == 0 && M >= GROUP_FROM_ROWS)
+                t = sym ? decode_groups_sym(w, codes, M, t, t1, bias, out, out_bf16)
+                        : decode_groups(w, codes, M, t, t1, bias, out, out_bf16);
 #endif
             for (; t < t1; t++) {
                 if (sym)
@@ -694,14 +724,10 @@ static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const 
                 else
                     x16_rows(w, t, t1, 0, M, 0, codes, bias, out, out_bf16);
             }
+        } else if (sym) {
+            prompt_items_sym(w, codes, M, items, bias, out, out_bf16);
         } else {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < items; i++) {
-                if (sym)
-                    chunk_item(w, codes, M, i, bias, out, out_bf16, 1);
-                else
-                    chunk_item(w, codes, M, i, bias, out, out_bf16, 0);
-            }
+            prompt_items(w, codes, M, items, bias, out, out_bf16);
         }
     }
 }
