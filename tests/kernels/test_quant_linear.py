@@ -275,7 +275,7 @@ def test_the_avx2_build_on_an_avx512_host():
 
 
 @needs_kernels
-@pytest.mark.skipif(amx_available() or not library().tm_attention_bf16_dot(),
+@pytest.mark.skipif(library() is None or amx_available() or not library().tm_attention_bf16_dot(),
                     reason="the AMX tests ran natively above, or no AVX512-BF16 here for their stand-in build")
 def test_the_amx_builds_on_stand_in_tiles():
     """On a host with AVX512-BF16 but no AMX, the AMX builds' tests (this kernel's, prefill attention's) again
