@@ -114,6 +114,28 @@ static inline __m512i round_bf16_lanes(__m512 v) {
     return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
 }
 
+// Step s of an int4 block (its 32 bytes at qb + 32 s) as vpdpbusd's unsigned operand: dword n holds row n's 4 codes
+// (rows 0..7 from the low nibbles, 8..15 from the high ones; see the layout above).
+static inline __m512i int4_step(const uint8_t *qb, int s) {
+    const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qb + 32 * s)));
+    return _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)), _mm512_set1_epi8(0x0F));
+}
+
+// The lanes of the output tile at column n0 that exist (fewer than 16 only in a last tile of N).
+static inline __mmask16 tile_lanes(const tm_x16_weight *w, int64_t n0) {
+    return w->N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (w->N - n0)) - 1);
+}
+
+// v into out's row ``row``, columns n0 .. (the ``live`` lanes): float32, or bf16 where out_bf16 (rounded to nearest
+// even, as tm_round_bf16 rounds the float32 result).
+static inline void store_lanes(void *out, int out_bf16, const tm_x16_weight *w, int64_t row, int64_t n0,
+                               __mmask16 live, __m512 v) {
+    if (out_bf16)
+        _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + row * w->N + n0, live, round_bf16_lanes(v));
+    else
+        _mm512_mask_storeu_ps((float *)out + row * w->N + n0, live, v);
+}
+
 // out[m0 + r][16 t ..] for r < MR, plus bias (NULL: none); out float32, or bf16 where out_bf16 (rounded to nearest
 // even, as tm_round_bf16 rounds the float32 result).
 static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *w, int64_t t, int64_t m0,
@@ -124,7 +146,6 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
     const uint8_t *qt = w->q + t * blocks * 8 * step_bytes;
     const int8_t *xq = x->q;
     const float *xd = x->d, *xs = x->s;
-    const __m512i nibble = _mm512_set1_epi8(0x0F), shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
     __m512 acc[TILE_M];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
@@ -134,12 +155,7 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
         const uint8_t *qb = qt + b * 8 * step_bytes;
 #pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
-            if (w->kind == 0) {
-                const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qb + 32 * s)));
-                steps[s] = _mm512_and_si512(_mm512_srlv_epi64(z, shifts), nibble);
-            } else {
-                steps[s] = _mm512_loadu_si512((const void *)(qb + 64 * s));
-            }
+            steps[s] = w->kind == 0 ? int4_step(qb, s) : _mm512_loadu_si512((const void *)(qb + 64 * s));
         }
         const int64_t at = (t * groups + b / per_group) * 16;
         const __m512 d = load16(w->d, at, w->d_f32);
@@ -172,15 +188,12 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
         }
     }
     const int64_t n0 = 16 * t;
-    const __mmask16 live = w->N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (w->N - n0)) - 1);
+    const __mmask16 live = tile_lanes(w, n0);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + n0) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++) {
         const __m512 v = bias ? _mm512_add_ps(acc[r], b) : acc[r];
-        if (out_bf16)
-            _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + (m0 + r) * w->N + n0, live, round_bf16_lanes(v));
-        else
-            _mm512_mask_storeu_ps((float *)out + (m0 + r) * w->N + n0, live, v);
+        store_lanes(out, out_bf16, w, m0 + r, n0, live, v);
     }
 }
 
@@ -215,7 +228,6 @@ static inline __attribute__((always_inline)) void x16_group(const tm_x16_weight 
     const uint8_t *qt = w->q + t * tile_bytes;
     const int8_t *xq = x->q;
     const float *xd = x->d, *xs = x->s;
-    const __m512i nibble = _mm512_set1_epi8(0x0F), shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
     __m512 acc[GROUP_T][GROUP_M];
 #pragma GCC unroll 8
     for (int j = 0; j < NT; j++)
@@ -237,8 +249,7 @@ static inline __attribute__((always_inline)) void x16_group(const tm_x16_weight 
             __m512i wj[GROUP_T];
 #pragma GCC unroll 8
             for (int j = 0; j < NT; j++)
-                wj[j] = w->kind == 0 ? _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(_mm256_loadu_si256(
-                                           (const __m256i *)(qb + j * tile_bytes + 32 * s))), shifts), nibble)
+                wj[j] = w->kind == 0 ? int4_step(qb + j * tile_bytes, s)
                                      : _mm512_loadu_si512((const void *)(qb + j * tile_bytes + 64 * s));
 #pragma GCC unroll 8
             for (int r = 0; r < MR; r++) {
@@ -272,15 +283,12 @@ static inline __attribute__((always_inline)) void x16_group(const tm_x16_weight 
 #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
         const int64_t n0 = 16 * (t + j);
-        const __mmask16 live = w->N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (w->N - n0)) - 1);
+        const __mmask16 live = tile_lanes(w, n0);
         const __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + n0) : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) {
             const __m512 v = bias ? _mm512_add_ps(acc[j][r], bv) : acc[j][r];
-            if (out_bf16)
-                _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + (m0 + r) * w->N + n0, live, round_bf16_lanes(v));
-            else
-                _mm512_mask_storeu_ps((float *)out + (m0 + r) * w->N + n0, live, v);
+            store_lanes(out, out_bf16, w, m0 + r, n0, live, v);
         }
     }
 }
@@ -420,10 +428,7 @@ static inline void widen_block(const tm_x16_weight *w, int64_t t, int64_t b, uin
     for (int s = 0; s < 8; s++) {
         __m512i v;  // dword n: the 4 codes of row n for inputs 4s .. 4s + 3, one a byte
         if (w->kind == 0) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(w->q + ((t * blocks + b) * 8 + s) * 32));
-            const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
-            v = _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
-                                 _mm512_set1_epi8(0x0F));
+            v = int4_step(w->q + (t * blocks + b) * 8 * 32, s);
         } else {  // code + 128 -> the signed code
             v = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w->q + ((t * blocks + b) * 8 + s) * 64)),
                                  _mm512_set1_epi8((char)0x80));
@@ -476,14 +481,11 @@ static void amx_rows(const tm_x16_weight *w, int64_t t, int pair, int64_t m0, in
     const int64_t rows = M - m0 < 32 ? M - m0 : 32;
     for (int j = 0; j <= pair; j++) {
         const int64_t n0 = 16 * (t + j);
-        const __mmask16 live = w->N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (w->N - n0)) - 1);
+        const __mmask16 live = tile_lanes(w, n0);
         const __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + n0) : _mm512_setzero_ps();
         for (int64_t r = 0; r < rows; r++) {
             const __m512 v = _mm512_add_ps(_mm512_load_ps(sums[2 * (r / 16) + j] + 16 * (r % 16)), bv);
-            if (out_bf16)
-                _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + (m0 + r) * w->N + n0, live, round_bf16_lanes(v));
-            else
-                _mm512_mask_storeu_ps((float *)out + (m0 + r) * w->N + n0, live, v);
+            store_lanes(out, out_bf16, w, m0 + r, n0, live, v);
         }
     }
 }
