@@ -200,8 +200,8 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
 // Tiles computed together, and the rows of x they keep in registers (4 x 3 dot products and accumulators): each of
 // x's 4-code broadcasts then feeds GROUP_T vpdpbusd, where a lone tile spends a load on each. Prompts take groups in
 // every chunk; decode-sized calls (one chunk) from GROUP_FROM_ROWS rows on, int4 weights only. On a Zen 5, from memory
-// (x16_builds.py --cold-mb 96), against the lone tile: int4 1.00-1.09x at 32 rows, 1.05-1.11x at 64-128, 1.08-1.12x
-// at 256-2,048; 0.93-0.98x at 8-16 rows, where the weight's bytes, not the loads, set the pace. int8 1.08-1.23x at
+// (x16_builds.py --cold-mb 96), against the lone tile: int4 1.00-1.09x at 32 rows, 1.03-1.12x at 64-128, 1.05-1.14x
+// at 256-2,048; 0.87-1.01x at 8-16 rows, where the weight's bytes, not the loads, set the pace. int8 1.07-1.23x at
 // 256-2,048, but 0.86-0.92x at 32 rows (the LM head: a group and the next one's bytes asked for overflow the L1;
 // asking into the L2 instead did no better). 7 rows x 2 tiles ran about as fast as 4 x 3, 3 x 4 slower.
 #ifndef GROUP_M
@@ -216,7 +216,7 @@ static inline __attribute__((always_inline)) void x16_tile(const tm_x16_weight *
 
 // x16_tile over tiles t .. t + NT - 1 at once, for MR <= GROUP_M rows; steps unpacked as they are used (NT tiles'
 // 8 steps would not fit in the registers beside the rows'). Where ``prefetch`` (a literal at each call: the loop is
-// compiled out of the other instance, where its mere presence cost gate_up 1.15x at 2,048 rows), each block asks for
+// compiled out of the other instance, where its mere presence cost gate_up 1.1-1.2x at 2,048 rows), each block asks for
 // the same block of tiles pf .. pf_end - 1 (none where pf_end <= pf): the next group's, on a first pass over the rows.
 static inline __attribute__((always_inline)) void x16_group(const tm_x16_weight *w, int64_t t, int64_t m0,
                                                             const int MR, const int NT, const int sym,
