@@ -20,6 +20,7 @@ from tokenmill.engine.settle import Settled
 from tokenmill.engine.warmup import compile_and_warm_up
 from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.cpu_attention import set_prefetch_target, set_prefill_kernel
+from tokenmill.kernels.cpu_decoder import CPUDecoderStack
 from tokenmill.kernels.cpu_linear import pack_linears
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.models.config import ModelConfig
@@ -79,6 +80,8 @@ def build_runner(config: EngineConfig, settled: Settled, checkpoint: Checkpoint,
         log.info("model runs eagerly (%s)", "enforce_eager" if config.enforce_eager else
                  f"{type(loaded.model).__name__} is not compiled" if settled.tensor_parallel_size == 1 else
                  "tensor-parallel ranks run eagerly")
+    if settled.kernel_backend == "cpu" and config.cpu_layer_stack:
+        loaded.model.cpu_stack = CPUDecoderStack.build(loaded.model)  # after warm-up: the compiled graph's steps ran
     # After the start-up timings, compile and warm-up, which populating beside them would disturb.
     loaded.kv_cache.populate(config.kv_cache_populate, torch.get_num_threads())
     graphs = None

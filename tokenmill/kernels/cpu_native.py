@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "cpu" / name
                 for name in ("paged_attention.c", "prefill_attention.c", "quant_linear.c", "quant_linear_x16.c",
-                             "argmax.c", "gated_activation.c", "rotary.c"))
+                             "argmax.c", "gated_activation.c", "rotary.c", "decoder.c"))
 # Included by the sources: part of what a build (and a measurement of it) is keyed on.
 HEADERS = (Path(__file__).parent / "cpu" / "simd_common.h",)
 # fast-math's reassociation lets the reductions and expf vectorize (glibc's libmvec); finite sentinels are used in
@@ -141,6 +141,9 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
             ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    lib.tm_decoder_stack.restype = ctypes.c_int
+    lib.tm_decoder_stack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.tm_quant_linear_x16.restype = ctypes.c_int
     lib.tm_quant_linear_x16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_int]

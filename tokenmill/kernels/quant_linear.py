@@ -290,12 +290,15 @@ class CPUQuantMatmul:
             x16_fn, bias_ptr = lib.tm_quant_linear_x16, bias32.data_ptr() if bias32 is not None else None
             self._fn = lambda weight, x, rows, out, bf16=0: x16_fn(weight, x, rows, bias_ptr, out, bf16)
             self._bf16_io = True
+            # what kernels/cpu/decoder.c calls tm_quant_linear_x16 with: this weight's handle and float32 bias
+            self.weight_address, self.bias_address = ctypes.addressof(self._weight), bias_ptr
         else:
             self.in_features = qweight.shape[1] * 2 if fmt.kind == "int4" else qweight.shape[1]
             self.out_features = qweight.shape[0]
             self._keep = (qweight, scales, mins, bias32)
             self._fn = lib.tm_quant_linear_prepared
             self._bf16_io = False
+            self.weight_address = self.bias_address = None  # the row-at-a-time kernel: not decoder.c's
             self._weight = QuantWeight(
                 q=qweight.data_ptr(), scales=scales.data_ptr(), mins=mins.data_ptr() if mins is not None else None,
                 bias=bias32.data_ptr() if bias32 is not None else None, K=self.in_features, N=self.out_features,

@@ -36,6 +36,8 @@ class DecoderLM(nn.Module):
     config: ModelConfig
     # ``decoder`` as compiled by models/compile.py, or None (eager).
     compiled_decoder = None
+    # The layer stack as one C call (kernels/cpu_decoder.py), or None; takes the steps it can, before the above.
+    cpu_stack = None
     # This rank's place when the model is split across tensor-parallel ranks (a model that splits sets its own).
     tp = TensorParallel()
 
@@ -49,6 +51,10 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        if self.cpu_stack is not None:
+            hidden = self.cpu_stack.run(input_ids, positions, meta, kv_cache)
+            if hidden is not None:
+                return hidden
         with attention_context(meta, kv_cache.data, kv_cache.scales, kv_cache.group_of_layer), \
                 linear_table(self.packed_linears):
             if self.compiled_decoder is not None:

@@ -1,0 +1,127 @@
+// A whole pre-norm GQA decoder stack (Llama, Qwen2, Mistral, SmolLM: RMSNorm, rotary q/k, GQA attention over the
+// paged cache, SwiGLU) for one engine step, in one call from Python.
+//
+// Why: run from a compiled graph, every layer costs four custom-op dispatches and ~seven ctypes calls, Python that
+// runs on the main thread while the OpenMP worker threads spin at the next parallel region's edge. At 32 decodes of
+// SmolLM2 on two cores that was ~20% of the main thread's time (benchmarks/results, issue 24). Here the same kernels
+// run back to back from C: the int4 / int8 GEMMs (quant_linear_x16.c), the rotation (rotary.c), the cache write
+// and the paged attention (paged_attention.c), the gated activation (gated_activation.c), with the norms and the
+// residual adds below. kernels/cpu_decoder.py decides when a model and a step qualify and is the reference's caller.
+//
+// Arithmetic, as models/llama.py's DecoderLayer computes it eagerly in bf16: every tensor between kernels is bf16;
+// a residual add is rounded to bf16 (x = x + y); RMSNorm widens x to float32, scales it by 1 / sqrt(mean(x^2) + eps),
+// rounds that to bf16, then multiplies by the bf16 weight and rounds again (``weight * x.to(bf16)``).
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "simd_common.h"
+
+// The kernels this file calls (their own files document them); the weight handles are quant_linear_x16.c's
+// tm_x16_weight, opaque here.
+int tm_quant_linear_x16(const void *w, const void *x, int64_t M, const float *bias, void *out, int bf16_io);
+int tm_rope_qk(const void *q, int64_t q_tok, int64_t q_head, int64_t Hq, const void *k, int64_t k_tok,
+               int64_t k_head, int64_t Hk, void *q_out, void *k_out, int64_t q_out_tok, int64_t k_out_tok, int64_t T,
+               int64_t D, int64_t rot, const int64_t *positions, int64_t num_positions, const float *cos,
+               const float *sin, int bf16, int threads);
+int tm_write_kv(void *cache, int64_t num_slots, const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                const int64_t *slots, int64_t T, int64_t hkv, int64_t dim, int64_t elem_bytes);
+int tm_paged_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t rows, const void *cache,
+                            const float *scales, int kind, const int64_t *block_tables, int64_t table_stride,
+                            const int32_t *req, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_first,
+                            const int32_t *kv_len, const int32_t *causal, int num_segments, int Hq, int Hkv, int D,
+                            int block_size, float sm_scale, float softcap, int threads);
+void tm_silu_mul(const void *gu, int64_t gu_stride, void *out, int64_t rows, int64_t inter, int bf16, int threads);
+
+// One layer's constant arguments (kernels/cpu_decoder.py's DecoderLayerArgs mirrors it). Biases are float32 or NULL.
+typedef struct {
+    const void *qkv, *o, *gate_up, *down;  // tm_x16_weight handles; qkv's rows [q | k | v], gate_up's [gate | up]
+    const float *qkv_bias, *o_bias;
+    const uint16_t *input_norm, *post_norm;  // bf16 [hidden]
+    void *cache;  // bf16 [num_slots][2 Hkv][D]: this layer's paged cache (K heads, then V heads, per slot)
+} tm_decoder_layer;
+
+// The model's shape and the step's attention arguments (kernels/cpu_decoder.py's DecoderStepArgs).
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, rot;
+    float eps, sm_scale;
+    const float *cos, *sin;  // [num_positions][rot / 2] float32
+    int64_t num_positions;
+    int64_t num_slots, block_size;  // of every layer's cache
+    const uint16_t *final_norm;  // bf16 [hidden]
+    // the step's segments (kernels/cpu_attention.py _segments): block tables and the six rows
+    const int64_t *block_tables;
+    int64_t table_stride;
+    const int32_t *req, *q_start, *q_len, *kv_first, *kv_len, *causal;
+    int64_t num_segments;
+} tm_decoder_step;
+
+#define MIN_PARALLEL_ROWS 64  // fewer rows than this: the norms and adds run on the calling thread
+
+// out[t] = bf16(w * bf16(x[t] / rms(x[t]))) for T rows of n; with ``add`` (not NULL), x[t] = bf16(x[t] + add[t])
+// first (the residual stream updated in place), as two bf16 ops would round it.
+static void add_rms_norm(uint16_t *x, const uint16_t *add, const uint16_t *w, uint16_t *out, int64_t T, int64_t n,
+                         float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T >= MIN_PARALLEL_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        uint16_t *xr = x + t * n;
+        if (add) {
+            const uint16_t *ar = add + t * n;
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) xr[i] = tm_bf16_bits(tm_bf16_value(xr[i]) + tm_bf16_value(ar[i]));
+        }
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < n; i++) {
+            const float v = tm_bf16_value(xr[i]);
+            squares += v * v;
+        }
+        const float inv = 1.0f / sqrtf(squares / (float)n + eps);
+        uint16_t *o = out + t * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            o[i] = tm_bf16_bits(tm_bf16_value(w[i]) * tm_bf16_value(tm_bf16_bits(tm_bf16_value(xr[i]) * inv)));
+    }
+}
+
+// The stack over T rows: x [T][hidden] bf16 (the embeddings; the residual stream, overwritten) -> out [T][hidden]
+// (the final norm's output). positions, slots [T] int64 (slot < 0: a padding row, nothing written). scratch: bf16,
+// T * (2 hidden + (heads + 2 kv_heads) D + heads D + 3 intermediate) elements. Returns 0, or the first failure:
+// -1 a GEMM, -2 a position outside the rotary table, -3 a slot outside the cache, -4 attention's scratch memory.
+int tm_decoder_stack(const tm_decoder_step *s, const tm_decoder_layer *layers, int64_t num_layers, uint16_t *x,
+                     int64_t T, const int64_t *positions, const int64_t *slots, uint16_t *scratch, uint16_t *out,
+                     int threads) {
+    const int64_t H = s->hidden, D = s->head_dim, q_size = s->heads * D, kv_size = s->kv_heads * D;
+    const int64_t width = q_size + 2 * kv_size, inter = s->intermediate;
+    uint16_t *h = scratch;                  // [T][hidden]: a norm's output
+    uint16_t *qkv = h + T * H;              // [T][width]
+    uint16_t *attn = qkv + T * width;       // [T][q_size]
+    uint16_t *proj = attn + T * q_size;     // [T][hidden]: o's or down's output, added to x
+    uint16_t *gate_up = proj + T * H;       // [T][2 inter]
+    uint16_t *act = gate_up + T * 2 * inter;  // [T][inter]
+    const uint16_t *pending = NULL;  // the last projection not yet added to x
+    for (int64_t i = 0; i < num_layers; i++) {
+        const tm_decoder_layer *l = layers + i;
+        add_rms_norm(x, pending, l->input_norm, h, T, H, s->eps, threads);
+        if (tm_quant_linear_x16(l->qkv, h, T, l->qkv_bias, qkv, 1)) return -1;
+        uint16_t *k = qkv + q_size, *v = k + kv_size;
+        if (tm_rope_qk(qkv, width, D, s->heads, k, width, D, s->kv_heads, qkv, k, width, width, T, D, s->rot,
+                       positions, s->num_positions, s->cos, s->sin, 1, threads))
+            return -2;
+        if (tm_write_kv(l->cache, s->num_slots, k, width, v, width, slots, T, s->kv_heads, D, 2)) return -3;
+        if (tm_paged_attention_bf16(qkv, width, attn, T, l->cache, NULL, 1, s->block_tables, s->table_stride,
+                                    s->req, s->q_start, s->q_len, s->kv_first, s->kv_len, s->causal,
+                                    (int)s->num_segments, (int)s->heads, (int)s->kv_heads, (int)D,
+                                    (int)s->block_size, s->sm_scale, 0.0f, threads))
+            return -4;
+        if (tm_quant_linear_x16(l->o, attn, T, l->o_bias, proj, 1)) return -1;
+        add_rms_norm(x, proj, l->post_norm, h, T, H, s->eps, threads);
+        if (tm_quant_linear_x16(l->gate_up, h, T, NULL, gate_up, 1)) return -1;
+        tm_silu_mul(gate_up, 2 * inter, act, T, inter, 1, threads);
+        if (tm_quant_linear_x16(l->down, act, T, NULL, proj, 1)) return -1;
+        pending = proj;
+    }
+    add_rms_norm(x, pending, s->final_norm, out, T, H, s->eps, threads);
+    return 0;
+}
