@@ -6,8 +6,9 @@ import json
 import torch
 
 
-def make_llama_checkpoint(path, smollm_llm, arch="llama", rope=None, num_kv_heads=2, extra_vocab=0):
-    """``extra_vocab``: rows past the tokenizer's (as padded vocabularies have; never sampled by a trained model)."""
+def make_llama_checkpoint(path, smollm_llm, arch="llama", rope=None, num_kv_heads=2, extra_vocab=0, head_dim=16):
+    """``extra_vocab``: rows past the tokenizer's (as padded vocabularies have; never sampled by a trained model);
+    ``head_dim``: a Llama's (Qwen2's is hidden / heads, 16)."""
     import transformers
 
     torch.manual_seed(0)
@@ -15,7 +16,7 @@ def make_llama_checkpoint(path, smollm_llm, arch="llama", rope=None, num_kv_head
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=num_kv_heads,
                   max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
     if arch == "llama":
-        config = transformers.LlamaConfig(**common, head_dim=16, rope_theta=10000.0)
+        config = transformers.LlamaConfig(**common, head_dim=head_dim, rope_theta=10000.0)
         if rope:
             config.rope_parameters = {"rope_theta": 10000.0, **rope}
         model = transformers.LlamaForCausalLM(config)

@@ -155,7 +155,7 @@ class EngineConfig(BaseSettings):
                                                    "compiled with torch.compile and warmed up at start-up")
     cpu_layer_stack: bool = Field(True, description="on a CPU, run a plain Llama-style model's (int4 / int8 C "
                                   "kernels, bf16 KV cache) whole layer stack in one C call in the steps that allow it "
-                                  "(kernels/cpu_decoder.py), the others compiled or eagerly; off: every step that way")
+                                  "(models/cpu_stack.py), the others compiled or eagerly; off: every step that way")
     compile_cache_dir: str = Field("~/.cache/tokenmill/inductor", description="torch.compile's generated code, "
                                                                              "kept across restarts")
     tokenizer_cache_dir: str = Field("~/.cache/tokenmill/tokenizers", description="a GGUF file's tokenizer, converted "

@@ -20,7 +20,7 @@ from tokenmill.engine.settle import Settled
 from tokenmill.engine.warmup import compile_and_warm_up
 from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.cpu_attention import set_prefetch_target, set_prefill_kernel
-from tokenmill.kernels.cpu_decoder import CPUDecoderStack
+from tokenmill.models.cpu_stack import CPUDecoderStack
 from tokenmill.kernels.cpu_linear import pack_linears
 from tokenmill.kvcache.cache import KVCache
 from tokenmill.models.config import ModelConfig

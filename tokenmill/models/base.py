@@ -36,7 +36,7 @@ class DecoderLM(nn.Module):
     config: ModelConfig
     # ``decoder`` as compiled by models/compile.py, or None (eager).
     compiled_decoder = None
-    # The layer stack as one C call (kernels/cpu_decoder.py), or None; takes the steps it can, before the above.
+    # The layer stack as one C call (models/cpu_stack.py), or None; takes the steps it can, before the above.
     cpu_stack = None
     # This rank's place when the model is split across tensor-parallel ranks (a model that splits sets its own).
     tp = TensorParallel()

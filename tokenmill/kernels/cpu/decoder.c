@@ -6,7 +6,7 @@
 // SmolLM2 on two cores that was ~20% of the main thread's time (benchmarks/results, issue 24). Here the same kernels
 // run back to back from C: the int4 / int8 GEMMs (quant_linear_x16.c), the rotation (rotary.c), the cache write
 // and the paged attention (paged_attention.c), the gated activation (gated_activation.c), with the norms and the
-// residual adds below. kernels/cpu_decoder.py decides when a model and a step qualify and is the reference's caller.
+// residual adds below. models/cpu_stack.py decides when a model and a step qualify and is the reference's caller.
 //
 // Arithmetic, as models/llama.py's DecoderLayer computes it eagerly in bf16: every tensor between kernels is bf16;
 // a residual add is rounded to bf16 (x = x + y); RMSNorm widens x to float32, scales it by 1 / sqrt(mean(x^2) + eps),
@@ -33,8 +33,17 @@ int tm_paged_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, 
                             const int32_t *kv_len, const int32_t *causal, int num_segments, int Hq, int Hkv, int D,
                             int block_size, float sm_scale, float softcap, int threads);
 void tm_silu_mul(const void *gu, int64_t gu_stride, void *out, int64_t rows, int64_t inter, int bf16, int threads);
+typedef int (*own_tokens_fn)(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                             const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
+                             const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads);
+int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                             const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
+                             const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads);
+int tm_prefill_attention_avx512(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                                const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
+                                const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads);
 
-// One layer's constant arguments (kernels/cpu_decoder.py's DecoderLayerArgs mirrors it). Biases are float32 or NULL.
+// One layer's constant arguments (models/cpu_stack.py's DecoderLayerArgs mirrors it). Biases are float32 or NULL.
 typedef struct {
     const void *qkv, *o, *gate_up, *down;  // tm_x16_weight handles; qkv's rows [q | k | v], gate_up's [gate | up]
     const float *qkv_bias, *o_bias;
@@ -42,7 +51,7 @@ typedef struct {
     void *cache;  // bf16 [num_slots][2 Hkv][D]: this layer's paged cache (K heads, then V heads, per slot)
 } tm_decoder_layer;
 
-// The model's shape and the step's attention arguments (kernels/cpu_decoder.py's DecoderStepArgs).
+// The model's shape and the step's attention arguments (models/cpu_stack.py's DecoderStepArgs).
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, rot;
     float eps, sm_scale;
@@ -55,6 +64,13 @@ typedef struct {
     int64_t table_stride;
     const int32_t *req, *q_start, *q_len, *kv_first, *kv_len, *causal;
     int64_t num_segments;
+    // Prefill chunks with no cached prefix, which no segment covers: their own tokens' causal attention by
+    // prefill_attention.c's kernel (own_kernel 1: AMX, 2: AVX512-BF16; 0: none, the segments cover every row), chunk
+    // c's rows chunk_starts[c] .. + chunk_lens[c]; lse: [T][heads] float32 scratch for it.
+    int64_t own_kernel;
+    const int64_t *chunk_starts, *chunk_lens;
+    int64_t num_chunks;
+    float *lse;
 } tm_decoder_step;
 
 #define MIN_PARALLEL_ROWS 64  // fewer rows than this: the norms and adds run on the calling thread
@@ -88,7 +104,8 @@ static void add_rms_norm(uint16_t *x, const uint16_t *add, const uint16_t *w, ui
 // The stack over T rows: x [T][hidden] bf16 (the embeddings; the residual stream, overwritten) -> out [T][hidden]
 // (the final norm's output). positions, slots [T] int64 (slot < 0: a padding row, nothing written). scratch: bf16,
 // T * (2 hidden + (heads + 2 kv_heads) D + heads D + 3 intermediate) elements. Returns 0, or the first failure:
-// -1 a GEMM, -2 a position outside the rotary table, -3 a slot outside the cache, -4 attention's scratch memory.
+// -1 a GEMM, -2 a position outside the rotary table, -3 a slot outside the cache, -4 attention's scratch memory,
+// -5 the own-token kernel refused the chunks (the caller checks what it takes first).
 int tm_decoder_stack(const tm_decoder_step *s, const tm_decoder_layer *layers, int64_t num_layers, uint16_t *x,
                      int64_t T, const int64_t *positions, const int64_t *slots, uint16_t *scratch, uint16_t *out,
                      int threads) {
@@ -101,6 +118,8 @@ int tm_decoder_stack(const tm_decoder_step *s, const tm_decoder_layer *layers, i
     uint16_t *gate_up = proj + T * H;       // [T][2 inter]
     uint16_t *act = gate_up + T * 2 * inter;  // [T][inter]
     const uint16_t *pending = NULL;  // the last projection not yet added to x
+    const own_tokens_fn own = s->own_kernel == 1 ? tm_prefill_attention_amx
+                              : s->own_kernel == 2 ? tm_prefill_attention_avx512 : NULL;
     for (int64_t i = 0; i < num_layers; i++) {
         const tm_decoder_layer *l = layers + i;
         add_rms_norm(x, pending, l->input_norm, h, T, H, s->eps, threads);
@@ -110,11 +129,18 @@ int tm_decoder_stack(const tm_decoder_step *s, const tm_decoder_layer *layers, i
                        positions, s->num_positions, s->cos, s->sin, 1, threads))
             return -2;
         if (tm_write_kv(l->cache, s->num_slots, k, width, v, width, slots, T, s->kv_heads, D, 2)) return -3;
-        if (tm_paged_attention_bf16(qkv, width, attn, T, l->cache, NULL, 1, s->block_tables, s->table_stride,
+        // the segments' rows (the others zero), then the chunks' rows over them
+        if (s->num_segments &&
+            tm_paged_attention_bf16(qkv, width, attn, T, l->cache, NULL, 1, s->block_tables, s->table_stride,
                                     s->req, s->q_start, s->q_len, s->kv_first, s->kv_len, s->causal,
                                     (int)s->num_segments, (int)s->heads, (int)s->kv_heads, (int)D,
                                     (int)s->block_size, s->sm_scale, 0.0f, threads))
             return -4;
+        if (own && s->num_chunks) {
+            const int code = own(qkv, width, k, width, v, width, attn, s->lse, s->chunk_starts, s->chunk_lens,
+                                 (int)s->num_chunks, (int)s->heads, (int)s->kv_heads, (int)D, s->sm_scale, threads);
+            if (code) return code == -2 ? -4 : -5;
+        }
         if (tm_quant_linear_x16(l->o, attn, T, l->o_bias, proj, 1)) return -1;
         add_rms_norm(x, proj, l->post_norm, h, T, H, s->eps, threads);
         if (tm_quant_linear_x16(l->gate_up, h, T, NULL, gate_up, 1)) return -1;

@@ -1,4 +1,4 @@
-"""The layer stack in one C call (kernels/cpu_decoder.py, kernels/cpu/decoder.c) against the same model run eagerly
+"""The layer stack in one C call (models/cpu_stack.py, kernels/cpu/decoder.c) against the same model run eagerly
 (models/llama.py's layers, op by op, with the same C kernels): teacher-forced logits through decodes and the "paged"
 prefill kernel's chunks, on a tiny Llama and a tiny Qwen2 (random q/k/v biases), int4 weights, bf16 cache; which
 models and steps it takes and which it leaves to the model; and its errors."""
@@ -19,32 +19,44 @@ ENGINE = dict(dtype="bfloat16", kv_cache_dtype="bf16", kv_cache_memory="16MiB", 
               num_threads=2, quantization="int4", quantization_group_size=32)
 
 
+# The prefill kernels the stack runs chunks with: the paged kernel's causal segments, and prefill_attention.c's
+# own-token kernel where this build has it (AVX512-BF16).
+STACK_KERNELS = ["paged"] + (["avx512"] if library() is not None and library().tm_attention_bf16_dot() else [])
+
+
 @pytest.fixture
-def paged_prefill(monkeypatch):
-    """Engines built in the test settle the "paged" prefill kernel (the stack takes prefill chunks only under it; an
-    engine sets it for the process), the kernel before restored after."""
+def prefill_kernel(monkeypatch, request):
+    """Engines built in the test settle the prefill kernel ``request.param`` (an engine sets it for the process),
+    the kernel before restored after."""
     before = cpu_attention.prefill_kernel()
-    monkeypatch.setenv("TOKENMILL_PREFILL_ATTENTION", "paged")
-    yield
+    monkeypatch.setenv("TOKENMILL_PREFILL_ATTENTION", request.param)
+    yield request.param
     cpu_attention.set_prefill_kernel(before)
 
 
-def counting(stack):
-    """Wrap ``stack.run`` to count the steps it took (returned hidden states for)."""
+def counting(stack, with_prefills=None):
+    """Wrap ``stack.run`` to list, per step, whether it took the step (returned hidden states for it); with a list
+    ``with_prefills``, also whether each step had prefill chunks."""
     taken = []
     run = stack.run
 
-    def counted(*args):
-        hidden = run(*args)
+    def counted(input_ids, positions, meta, kv_cache):
+        hidden = run(input_ids, positions, meta, kv_cache)
         taken.append(hidden is not None)
+        if with_prefills is not None:
+            with_prefills.append(bool(meta.prefill_indices))
         return hidden
     stack.run = counted
     return taken
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_stack_matches_the_model_run_eagerly(tmp_path, smollm_llm, paged_prefill, arch):
-    make_llama_checkpoint(tmp_path, smollm_llm, arch=arch)
+# (family, head size, prefill kernel): the own-token kernels take head sizes that are multiples of 32
+CASES = [("llama", 16, "paged"), ("qwen2", 16, "paged")] + [("llama", 32, kernel) for kernel in STACK_KERNELS[1:]]
+
+
+@pytest.mark.parametrize(("arch", "head_dim", "prefill_kernel"), CASES, indirect=["prefill_kernel"])
+def test_stack_matches_the_model_run_eagerly(tmp_path, smollm_llm, arch, head_dim, prefill_kernel):
+    make_llama_checkpoint(tmp_path, smollm_llm, arch=arch, head_dim=head_dim)
     stacked = LLM(model=str(tmp_path), **ENGINE)
     eager = LLM(model=str(tmp_path), enforce_eager=True, cpu_layer_stack=False, **ENGINE)
     stack = stacked.engine.runner.model.cpu_stack
@@ -55,26 +67,32 @@ def test_stack_matches_the_model_run_eagerly(tmp_path, smollm_llm, paged_prefill
         taken.clear()
         got = teacher_forced_logits(stacked.engine.runner.model, stacked.engine.runner.kv_cache, ids, chunk)
         want = teacher_forced_logits(eager.engine.runner.model, eager.engine.runner.kv_cache, ids, chunk)
-        assert taken and all(taken), "the stack left a step to the model"
+        if prefill_kernel == "paged" or chunk in (1, None):
+            assert taken and all(taken), "the stack left a step to the model"
+        else:  # an own-token kernel: the first chunk; the others, over a cached prefix, are the model's
+            assert taken == [True] + [False] * (len(taken) - 1)
         # the same kernels in the same order: only the norms' float sums may round differently (1 bf16 ulp, now and
         # then, carried on)
         torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0.02)
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
-def test_generation_through_the_stack_and_the_steps_it_leaves(tmp_path, smollm_llm):
-    """Mixed batches under the settled prefill kernel: decodes through the stack, prefill chunks (unless the "paged"
-    kernel was settled) through the compiled graph, against the compiled graph alone: the same tokens, up to the
-    norms' rounding."""
-    make_llama_checkpoint(tmp_path, smollm_llm)
+@pytest.mark.parametrize("prefill_kernel", ["sdpa"] + STACK_KERNELS[1:], indirect=True)
+def test_generation_through_the_stack_and_the_steps_it_leaves(tmp_path, smollm_llm, prefill_kernel):
+    """Mixed batches (prompts of 1-23 tokens, 8 a step) against the compiled graph alone: the same tokens, up to the
+    norms' rounding. Under "sdpa" the steps with prefill chunks are the graph's; under an own-token kernel those
+    whose chunks start their prompts are the stack's too."""
+    make_llama_checkpoint(tmp_path, smollm_llm, head_dim=32)
     stacked = LLM(model=str(tmp_path), enforce_eager=False, **ENGINE)
     plain = LLM(model=str(tmp_path), enforce_eager=False, cpu_layer_stack=False, **ENGINE)
     assert plain.engine.runner.model.cpu_stack is None
-    taken = counting(stacked.engine.runner.model.cpu_stack)
+    prefills = []
+    taken = counting(stacked.engine.runner.model.cpu_stack, prefills)
     prompts = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (1, 5, 9, 23)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     got, want = stacked.generate(prompts, params), plain.generate(prompts, params)
-    assert any(taken) and (cpu_attention.prefill_kernel() == "paged" or not all(taken))
+    assert any(taken) and not all(taken)  # 23 tokens: chunks over a cached prefix
+    assert any(t and p for t, p in zip(taken, prefills)) == (prefill_kernel != "sdpa")
     for a, b in zip(got, want):
         assert len(a.token_ids) == len(b.token_ids) == 12
         # where the greedy tokens agree so far, the chosen token's logprob agrees too

@@ -7,11 +7,13 @@ at 32 decodes of SmolLM2 on two cores). ``CPUDecoderStack`` runs the same C kern
 What qualifies (``CPUDecoderStack.build`` logs why a model does not): one rank, bf16, every layer models/llama.py's
 DecoderLayer without Gemma's norms, with a SwiGLU MLP and attention with no q/k norms, sinks, window or soft-cap, every
 projection a QuantLinear on the interleaved C kernel (kernels/quant_linear.py) with no input permutation, and a bf16
-KV cache in one group. A step qualifies when the C paged attention covers its every row in one call, as
-kernels/cpu_attention.py's ``paged_attention_cpu`` decides: decodes, and prefill chunks where the "paged" prefill
-kernel was settled; and when no layer would take its dense copy at the step's rows. Any other step (``run`` returns
-None) goes the model's usual way, compiled or eager; both ways compute the same things with the same kernels, the
-norms and residual adds rounded to bf16 as eager PyTorch does.
+KV cache in one group. A step qualifies when its attention is the C kernels', in one call each, as
+kernels/cpu_attention.py's ``paged_attention_cpu`` would run it: decodes through the paged kernel, and prefill chunks
+through the settled prefill kernel: "paged" (causal segments of the same call), or "amx" / "avx512" for chunks with no
+cached prefix (their own tokens are the whole sequence: no merge); and when no layer would take its dense copy at the
+step's rows. Any other step (``run`` returns None: "sdpa", a chunk over a cached prefix) goes the model's usual way,
+compiled or eager; both ways compute the same things with the same kernels, the norms and residual adds rounded to
+bf16 as eager PyTorch does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from tokenmill.kernels.cpu_native import library
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kernels.quant_linear import CPUQuantMatmul
 from tokenmill.kvcache.cache import KVCache
+from tokenmill.models.layers.attention import PagedGQAttention
+from tokenmill.models.layers.mlp import SwiGLU
+from tokenmill.models.llama import DecoderLayer
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +51,16 @@ class DecoderStepArgs(ctypes.Structure):
                 ("num_positions", ctypes.c_int64), ("num_slots", ctypes.c_int64), ("block_size", ctypes.c_int64),
                 ("final_norm", _p), ("block_tables", _p), ("table_stride", ctypes.c_int64), ("req", _p),
                 ("q_start", _p), ("q_len", _p), ("kv_first", _p), ("kv_len", _p), ("causal", _p),
-                ("num_segments", ctypes.c_int64)]
+                ("num_segments", ctypes.c_int64), ("own_kernel", ctypes.c_int64), ("chunk_starts", _p),
+                ("chunk_lens", _p), ("num_chunks", ctypes.c_int64), ("lse", _p)]
+
+
+# The own-token prefill kernels of kernels/cpu/prefill_attention.c decoder.c calls: settled name -> its code there.
+OWN_KERNELS = {"amx": 1, "avx512": 2}
 
 
 ERRORS = {-1: "a quantized GEMM failed", -2: "a position outside the rotary table", -3: "a KV slot past the cache",
-          -4: "attention's scratch memory could not be allocated"}
+          -4: "attention's scratch memory could not be allocated", -5: "the prefill kernel refused the chunks"}
 
 
 def _kernel_of(linear) -> CPUQuantMatmul | None:
@@ -64,10 +74,6 @@ def _kernel_of(linear) -> CPUQuantMatmul | None:
 
 def _reason_against(model) -> str | None:
     """Why ``model`` cannot run on the stack, or None where it can."""
-    from tokenmill.models.layers.attention import PagedGQAttention
-    from tokenmill.models.layers.mlp import SwiGLU
-    from tokenmill.models.llama import DecoderLayer
-
     if library() is None:
         return "the CPU kernels are not built"
     if model.tp.size > 1:
@@ -141,6 +147,10 @@ class CPUDecoderStack:
             args.input_norm = layer.input_layernorm.weight.data_ptr()
             args.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             self._keep += [qkv, o, gate_up, down, layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        # the layouts prefill_attention.c's kernels take (its prefill_arguments), and AMX where this process has it
+        takes = self.head_dim % 32 == 0 and self.head_dim <= 256
+        self.own_kernels = {name for name in OWN_KERNELS
+                            if takes and (name != "amx" or library().tm_amx_available())}
         self._cache_of = None  # the KVCache whose layer pointers self.layers holds
         self._width = (self.heads + 2 * self.kv_heads) * self.head_dim
         self._step_address, self._layers_address = ctypes.addressof(self.step), ctypes.addressof(self.layers)
@@ -182,20 +192,34 @@ class CPUDecoderStack:
                 or positions.dtype is not torch.int64 or meta.slot_mapping.dtype is not torch.int64 \
                 or not self._bind(kv_cache):
             return None
-        causal = bool(meta.prefill_indices) and prefill_kernel() == "paged" and \
+        # Prefill chunks: under the "paged" kernel, causal segments of the paged kernel's; under an own-token kernel
+        # of prefill_attention.c, that kernel (chunks with a cached prefix, which would need a merge: the model's)
+        kernel, own = prefill_kernel(), None
+        causal = bool(meta.prefill_indices) and kernel == "paged" and \
             paged_prefill_applies(torch.bfloat16, torch.bfloat16)
         if meta.prefill_indices and not causal:
-            return None
-        # the same per-step derivations (and so the same cached objects) as the attention op's
+            starts = meta.query_start_loc
+            if kernel not in self.own_kernels or any(meta.seq_lens[i] != starts[i + 1] - starts[i]
+                                                     for i in meta.prefill_indices):
+                return None
+            own = meta.derived("cpu_own_chunks", lambda: torch.tensor(
+                [[starts[i] for i in meta.prefill_indices], [starts[i + 1] - starts[i] for i in meta.prefill_indices]],
+                dtype=torch.int64))
+        # the same per-step derivations (and so the same cached objects) as the attention op's: with an own-token
+        # kernel, the segments are the decodes alone
         segments = meta.derived(("cpu_segments", 0, True, causal),
                                 lambda: _segments(meta, 0, with_prefills=True, causal=causal))
-        if not segments.shape[1]:
+        if not segments.shape[1] and own is None:
             return None
         tables = meta.derived("cpu_block_tables", lambda: meta.block_tables.long().contiguous())
         arguments = meta.derived(("cpu_step_arguments", 0, True, causal), lambda: step_arguments(tables, segments))
         step = self.step
         (step.block_tables, step.table_stride, step.req, step.q_start, step.q_len, step.kv_first, step.kv_len,
          step.causal, step.num_segments) = arguments
+        lse = torch.empty(tokens, self.heads, dtype=torch.float32) if own is not None else None
+        step.own_kernel, step.num_chunks = (OWN_KERNELS[kernel], own.shape[1]) if own is not None else (0, 0)
+        step.chunk_starts, step.chunk_lens, step.lse = \
+            (own[0].data_ptr(), own[1].data_ptr(), lse.data_ptr()) if own is not None else (None, None, None)
         x = self.model.embed(input_ids)
         if x.dtype is not torch.bfloat16:
             return None
