@@ -12,6 +12,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.engine.warmup import synthetic_step
 from tokenmill.kernels import cpu_attention
 from tokenmill.kernels.cpu_native import library
+from tokenmill.models.cpu_stack import CPUDecoderStack
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler")
 
@@ -112,6 +113,9 @@ def test_models_and_caches_it_leaves_to_the_model(tmp_path, smollm_llm):
     taken = counting(stack)
     out = fp8.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4 and taken and not any(taken)  # an fp8 cache: every step the model's
+    model = fp8.engine.runner.model
+    model.layers[1].post_attention_layernorm.eps = 1e-6  # decoder.c takes one eps for every norm
+    assert CPUDecoderStack.build(model) is None
 
 
 def test_a_position_past_the_rotary_table_is_an_error_not_a_write(tmp_path, smollm_llm):

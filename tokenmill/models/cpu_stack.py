@@ -105,6 +105,8 @@ def _reason_against(model) -> str | None:
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
     if any(norm.weight.dtype is not torch.bfloat16 or norm.offset for norm in norms):
         return "norms not in bf16"
+    if any(norm.eps != model.norm.eps for norm in norms):
+        return "norms with different eps"  # decoder.c takes one eps for all of them
     first = model.layers[0].self_attn
     if any((layer.self_attn.num_heads, layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.sm_scale,
             layer.self_attn.rotary.cos.data_ptr()) != (first.num_heads, first.num_kv_heads, first.head_dim,
@@ -134,9 +136,6 @@ class CPUDecoderStack:
             intermediate=self.intermediate, rot=2 * rotary.cos.shape[-1], eps=model.norm.eps, sm_scale=attn.sm_scale,
             cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(), num_positions=rotary.cos.shape[0],
             final_norm=model.norm.weight.data_ptr())
-        if any(layer.input_layernorm.eps != model.norm.eps or layer.post_attention_layernorm.eps != model.norm.eps
-               for layer in layers):
-            raise ValueError("norms with different eps")
         self.layers = (DecoderLayerArgs * len(layers))()
         for args, layer in zip(self.layers, layers):
             attn, mlp = layer.self_attn, layer.mlp

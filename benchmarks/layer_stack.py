@@ -1,0 +1,85 @@
+"""The CPU layer stack in one C call (models/cpu_stack.py) against the same engine without it, in one process.
+
+Two offline engines of the default model, ``cpu_layer_stack`` on and off (the rest as settled: compiled, C kernels),
+each holding ``--batch`` running requests of ``--prompt-len`` random tokens; timed in alternating rounds:
+- decode: ``--steps`` pure decode steps (ms a step, best and median of the rounds);
+- mixed: one step that carries a fresh prompt's first chunk beside the decodes (the steps under load that admit a
+  request), ms (best and median).
+The engines take turns, so both see the same host; each one's contexts grow alike.
+
+    python benchmarks/layer_stack.py [--batch 1,4,16,32] [--prompt-len 256] [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from decode_profile import steady_decode
+
+from tokenmill import LLM, SamplingParams
+
+
+def decode_ms(llm: LLM, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.engine.step()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def mixed_ms(llm: LLM, prompt_len: int, rng: random.Random) -> float:
+    """One step with a fresh prompt admitted beside the running decodes; the prompt is then aborted."""
+    request = llm.add_request([rng.randrange(1000, 40000) for _ in range(prompt_len)],
+                              SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    start = time.perf_counter()
+    llm.engine.step()
+    elapsed = (time.perf_counter() - start) * 1e3
+    llm.engine.abort(request)
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", default="1,4,16,32")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", default="benchmarks/results/layer-stack.json")
+    args = parser.parse_args()
+    engines = {name: LLM(cpu_layer_stack=name == "stack", kv_cache_memory="1GiB") for name in ("stack", "graph")}
+    assert engines["stack"].engine.runner.model.cpu_stack is not None, "the default model did not take the stack"
+    # steady_decode draws its prompts from Random(0): the fresh prompts of the mixed steps must not share them (a
+    # cached prompt would make its step a short one)
+    rng, results = random.Random(1), []
+    for batch in (int(b) for b in args.batch.split(",")):
+        for llm in engines.values():
+            steady_decode(llm, batch, args.prompt_len)
+        times = {name: {"decode": [], "mixed": []} for name in engines}
+        for round_ in range(args.rounds):
+            order = list(engines) if round_ % 2 == 0 else list(reversed(engines))
+            for name in order:
+                times[name]["decode"].append(decode_ms(engines[name], args.steps))
+                times[name]["mixed"].append(mixed_ms(engines[name], args.prompt_len, rng))
+        row = {"batch": batch}
+        for name, kinds in times.items():
+            for kind, values in kinds.items():
+                row[f"{name}_{kind}_best_ms"] = round(min(values), 2)
+                row[f"{name}_{kind}_median_ms"] = round(statistics.median(values), 2)
+        for kind in ("decode", "mixed"):
+            row[f"{kind}_speedup_median"] = round(row[f"graph_{kind}_median_ms"] / row[f"stack_{kind}_median_ms"], 3)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        for llm in engines.values():
+            for request_id in list(llm.engine.scheduler.requests):
+                llm.engine.abort(request_id)
+    Path(args.out).write_text(json.dumps({"prompt_len": args.prompt_len, "rounds": args.rounds, "steps": args.steps,
+                                          "results": results}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
