@@ -37,8 +37,8 @@ def test_tiny_sweep_agrees_with_server_metrics(fp32_server, tmp_path):
 
 
 def test_a_level_where_every_request_fails_is_an_error(fp32_server, capsys):
-    """A wrong model name (404 on every request) and a wrong address (nothing listening) exit non-zero with the
-    first error's message, never a table of zeros."""
+    """A wrong model name (404 on every request), a wrong address (nothing listening) and a wrong key exit non-zero
+    with the first error's message, never a table of zeros."""
     from tests.live_server import free_port
     from tokenmill.bench.sweep import main
 
@@ -49,6 +49,10 @@ def test_a_level_where_every_request_fails_is_an_error(fp32_server, capsys):
     assert "every request at concurrency 2 failed" in err and "HTTP 404" in err and "no-such-model" in err
     assert main(["--base-url", f"http://127.0.0.1:{free_port()}/v1", *common]) == 1
     assert "cannot list the models" in capsys.readouterr().err
+    # a refused listing names the server's status and message (here a wrong key; a loading model's is a 503)
+    assert main(["--base-url", fp32_server.base_url, "--api-key", "not-the-key", *common]) == 1
+    err = capsys.readouterr().err
+    assert "cannot list the models" in err and "HTTP 401" in err and "KeyError" not in err
 
 
 def test_base_url_with_or_without_v1(fp32_server):

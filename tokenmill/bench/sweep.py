@@ -106,7 +106,8 @@ def _detokenizer(settings: dict):
 
 
 class BenchError(RuntimeError):
-    """A level in which no request succeeded: an error to report, not a row of zeros."""
+    """What the bench cannot measure (a level in which no request succeeded, a server whose models it cannot list):
+    an error to report, not a row of zeros."""
 
 
 def _prompts(settings: dict, count: int, seed: int) -> list:
@@ -146,6 +147,14 @@ def run_sweep(settings: dict) -> dict:
     return report
 
 
+def _error_message(response) -> str:
+    """An OpenAI-shaped error body's message, else the body's first 200 characters."""
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]
+
+
 def _settings(args: argparse.Namespace) -> dict:
     settings = dict(DEFAULTS)
     if args.config:
@@ -162,6 +171,9 @@ def _settings(args: argparse.Namespace) -> dict:
         url = settings["base_url"] + "/models"
         try:
             response = httpx.get(url, headers=headers, timeout=10)
+            if response.status_code != 200:  # e.g. 503 while the model loads (wait for /ready), 401 a wrong key
+                raise BenchError(f"cannot list the models at {url}: HTTP {response.status_code}: "
+                                 f"{_error_message(response)}")
             settings["model"] = response.json()["data"][0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
             raise BenchError(f"cannot list the models at {url} (pass --model, or check --base-url): "
