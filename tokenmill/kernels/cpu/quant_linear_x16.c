@@ -572,7 +572,7 @@ int tm_amx_available(void) {
 }
 
 #if defined(TM_VNNI) || defined(TM_X16_AVX2)
-#define X16_CHUNK_M 128  // rows of x one work item covers (a multiple of TILE_M)
+#define X16_CHUNK_M 128  // the most rows of x one work item covers (a multiple of TILE_M; chunk_rows)
 
 // Rows m .. end - 1 of tile t (sym: the weight is symmetric, a literal at each call). The first pass over the tile
 // asks for the bytes of tile t + PREFETCH_TILES where that is below ``last``: the thread takes tiles t + 1, ... next.
@@ -634,16 +634,25 @@ static inline __attribute__((always_inline)) void group_rows(const tm_x16_weight
 #define ITEM_TILES 1
 #endif
 
-// Work item i of a prompt's tiles (M > X16_CHUNK_M), x's codes in ``codes``: (chunk of X16_CHUNK_M rows, ITEM_TILES
-// tiles), chunk-major, so that split in contiguous ranges each tile reads only its chunk's x codes (X16_CHUNK_M x K
-// bytes, L2-resident) and the weight is re-read once a chunk (each tile over all the rows ran 1.1-1.6x slower at
-// 256-2,048 rows, Zen 4, SmolLM2's shapes). The last item of a tile count that ITEM_TILES does not divide takes the
-// tiles left one at a time.
+// The rows of a prompt's chunks: M split into ceil(M / X16_CHUNK_M) chunks of equal size (up to a multiple of 8, the
+// last one the rest), so that work items cost alike and a static split of them is an even one. (Chunks of
+// X16_CHUNK_M rows and a short last one left a thread idle: 288 rows, a prompt of 256 beside 32 decodes, gave one
+// thread 1.5 chunks of 128 rows and the other 0.5 of 128 and the 32.)
+static inline int64_t chunk_rows(int64_t M) {
+    const int64_t chunks = (M + X16_CHUNK_M - 1) / X16_CHUNK_M;
+    return ((M + chunks - 1) / chunks + 7) / 8 * 8;
+}
+
+// Work item i of a prompt's tiles (M > X16_CHUNK_M), x's codes in ``codes``: (chunk of ``rows`` rows, ITEM_TILES
+// tiles), chunk-major, so that split in contiguous ranges each tile reads only its chunk's x codes (at most
+// X16_CHUNK_M x K bytes, L2-resident) and the weight is re-read once a chunk (each tile over all the rows ran 1.1-1.6x
+// slower at 256-2,048 rows, Zen 4, SmolLM2's shapes). The last item of a tile count that ITEM_TILES does not divide
+// takes the tiles left one at a time.
 static inline __attribute__((always_inline)) void chunk_item(const tm_x16_weight *w, const x_codes *codes, int64_t M,
-                                                             int64_t i, const float *bias, void *out, int out_bf16,
-                                                             const int sym) {
+                                                             int64_t rows, int64_t i, const float *bias, void *out,
+                                                             int out_bf16, const int sym) {
     const int64_t tiles = (w->N + 15) / 16, items = (tiles + ITEM_TILES - 1) / ITEM_TILES;
-    const int64_t m0 = i / items * X16_CHUNK_M, end = m0 + X16_CHUNK_M < M ? m0 + X16_CHUNK_M : M;
+    const int64_t m0 = i / items * rows, end = m0 + rows < M ? m0 + rows : M;
     const int64_t t = i % items * ITEM_TILES;
 #if defined(GROUP_M)
     if (t + GROUP_T <= tiles) {
@@ -680,15 +689,17 @@ static __attribute__((noinline)) int64_t decode_groups(const tm_x16_weight *w, c
 
 // This thread's share of a prompt's work items (an orphaned ``omp for``: called by every thread of the region).
 static __attribute__((noinline)) void prompt_items_sym(const tm_x16_weight *w, const x_codes *codes, int64_t M,
-                                                       int64_t items, const float *bias, void *out, int out_bf16) {
+                                                       int64_t rows, int64_t items, const float *bias, void *out,
+                                                       int out_bf16) {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < items; i++) chunk_item(w, codes, M, i, bias, out, out_bf16, 1);
+    for (int64_t i = 0; i < items; i++) chunk_item(w, codes, M, rows, i, bias, out, out_bf16, 1);
 }
 
 static __attribute__((noinline)) void prompt_items(const tm_x16_weight *w, const x_codes *codes, int64_t M,
-                                                   int64_t items, const float *bias, void *out, int out_bf16) {
+                                                   int64_t rows, int64_t items, const float *bias, void *out,
+                                                   int out_bf16) {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < items; i++) chunk_item(w, codes, M, i, bias, out, out_bf16, 0);
+    for (int64_t i = 0; i < items; i++) chunk_item(w, codes, M, rows, i, bias, out, out_bf16, 0);
 }
 
 // x [M][K] (float32, or bf16 where x_bf16) -> out [M][N] (+ bias [N], or NULL), float32 or bf16 (out_bf16), x's
@@ -700,7 +711,8 @@ static __attribute__((noinline)) void prompt_items(const tm_x16_weight *w, const
 // variable would be tested inside the tiles' loops.
 static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const x_codes *codes, int64_t M,
                        const float *bias, void *out, int out_bf16) {
-    const int64_t tiles = (w->N + 15) / 16, chunks = (M + X16_CHUNK_M - 1) / X16_CHUNK_M, blocks = M * (w->K / 32);
+    const int64_t tiles = (w->N + 15) / 16, rows = chunk_rows(M), chunks = (M + rows - 1) / rows;
+    const int64_t blocks = M * (w->K / 32);
     const int sym = w->symmetric != 0;
     const int64_t items = chunks * ((tiles + ITEM_TILES - 1) / ITEM_TILES);  // a prompt's work items (chunk_item)
 #pragma omp parallel
@@ -727,9 +739,9 @@ static void x16_linear(const tm_x16_weight *w, const void *x, int x_bf16, const 
                     x16_rows(w, t, t1, 0, M, 0, codes, bias, out, out_bf16);
             }
         } else if (sym) {
-            prompt_items_sym(w, codes, M, items, bias, out, out_bf16);
+            prompt_items_sym(w, codes, M, rows, items, bias, out, out_bf16);
         } else {
-            prompt_items(w, codes, M, items, bias, out, out_bf16);
+            prompt_items(w, codes, M, rows, items, bias, out, out_bf16);
         }
     }
 }
