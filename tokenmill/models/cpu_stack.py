@@ -7,8 +7,8 @@ at 32 decodes of SmolLM2 on two cores). ``CPUDecoderStack`` runs the same C kern
 What qualifies (``CPUDecoderStack.build`` logs why a model does not): one rank, bf16, every layer models/llama.py's
 DecoderLayer without Gemma's norms, with a SwiGLU MLP and attention with no q/k norms, sinks, window or soft-cap, every
 projection a QuantLinear on the interleaved C kernel (kernels/quant_linear.py) with no input permutation, bf16 norms
-of one eps, and a bf16 KV cache in one group. A step qualifies when its attention is the C kernels', in one call each, as
-kernels/cpu_attention.py's ``paged_attention_cpu`` would run it: decodes through the paged kernel, and prefill chunks
+of one eps, and a bf16 KV cache in one group. A step qualifies when its attention is the C kernels', in one call each,
+as kernels/cpu_attention.py's ``paged_attention_cpu`` would run it: decodes through the paged kernel, and prefill chunks
 through the settled prefill kernel: "paged" (causal segments of the same call), or "amx" / "avx512" for chunks with no
 cached prefix (their own tokens are the whole sequence: no merge); and when no layer would take its dense copy at the
 step's rows. Any other step (``run`` returns None: "sdpa", a chunk over a cached prefix) goes the model's usual way,
