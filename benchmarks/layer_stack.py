@@ -19,16 +19,9 @@ import statistics
 import time
 from pathlib import Path
 
-from decode_profile import steady_decode
+from decode_profile import steady_decode, step_ms
 
 from tokenmill import LLM, SamplingParams
-
-
-def decode_ms(llm: LLM, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        llm.engine.step()
-    return (time.perf_counter() - start) / steps * 1e3
 
 
 def mixed_ms(llm: LLM, prompt_len: int, rng: random.Random) -> float:
@@ -62,7 +55,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = list(engines) if round_ % 2 == 0 else list(reversed(engines))
             for name in order:
-                times[name]["decode"].append(decode_ms(engines[name], args.steps))
+                times[name]["decode"].append(step_ms(engines[name], rounds=1, steps=args.steps)[0])
                 times[name]["mixed"].append(mixed_ms(engines[name], args.prompt_len, rng))
         row = {"batch": batch}
         for name, kinds in times.items():
