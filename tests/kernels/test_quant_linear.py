@@ -278,16 +278,17 @@ def test_the_avx2_build_on_an_avx512_host():
 @pytest.mark.skipif(library() is None or amx_available() or not library().tm_attention_bf16_dot(),
                     reason="the AMX tests ran natively above, or no AVX512-BF16 here for their stand-in build")
 def test_the_amx_builds_on_stand_in_tiles():
-    """On a host with AVX512-BF16 but no AMX, the AMX builds' tests (this kernel's, prefill attention's) again
-    against a library whose tile instructions are plain C (simd_common.h, -DTM_AMX_EMULATE): their blocking, layouts
-    and edges are checked here too, where they would otherwise only be skipped."""
+    """On a host with AVX512-BF16 but no AMX, the AMX builds' tests (this kernel's, prefill attention's, the layer
+    stack's over both) again against a library whose tile instructions are plain C (simd_common.h, -DTM_AMX_EMULATE):
+    their blocking, layouts and edges are checked here too, where they would otherwise only be skipped."""
     env = {**os.environ, EXTRA_FLAGS_ENV: "-DTM_AMX_EMULATE"}
     check = subprocess.run([sys.executable, "-c", "from tokenmill.kernels.cpu_native import amx_available as a; "
                             "print(a())"], env=env, capture_output=True, text=True, timeout=300)
     assert check.stdout.strip() == "True", check.stderr[-2000:]
     prefill = os.path.join(os.path.dirname(__file__), "test_prefill_attention.py")
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, prefill, "-k",
-                            "amx and not stand_in"], env=env, capture_output=True, text=True, timeout=600)
+    stack = os.path.join(os.path.dirname(__file__), os.pardir, "models", "test_cpu_stack.py")  # decoder.c's calls
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, prefill, stack,
+                            "-k", "amx and not stand_in"], env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and " failed" not in tests.stdout and " skipped" not in tests.stdout, \
         tests.stdout[-3000:]

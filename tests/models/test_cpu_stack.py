@@ -11,7 +11,7 @@ from tests.tiny_checkpoints import make_llama_checkpoint
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.warmup import synthetic_step
 from tokenmill.kernels import cpu_attention
-from tokenmill.kernels.cpu_native import library
+from tokenmill.kernels.cpu_native import amx_available, library
 from tokenmill.models.cpu_stack import CPUDecoderStack
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler")
@@ -21,8 +21,9 @@ ENGINE = dict(dtype="bfloat16", kv_cache_dtype="bf16", kv_cache_memory="16MiB", 
 
 
 # The prefill kernels the stack runs chunks with: the paged kernel's causal segments, and prefill_attention.c's
-# own-token kernel where this build has it (AVX512-BF16).
-STACK_KERNELS = ["paged"] + (["avx512"] if library() is not None and library().tm_attention_bf16_dot() else [])
+# own-token kernels where this build has them (AVX512-BF16; AMX tiles, native or the stand-in build's).
+STACK_KERNELS = ["paged"] + (["avx512"] if library() is not None and library().tm_attention_bf16_dot() else []) \
+    + (["amx"] if amx_available() else [])
 
 
 @pytest.fixture
@@ -55,13 +56,33 @@ def counting(stack, with_prefills=None):
 CASES = [("llama", 16, "paged"), ("qwen2", 16, "paged")] + [("llama", 32, kernel) for kernel in STACK_KERNELS[1:]]
 
 
-@pytest.mark.parametrize(("arch", "head_dim", "prefill_kernel"), CASES, indirect=["prefill_kernel"])
-def test_stack_matches_the_model_run_eagerly(tmp_path, smollm_llm, arch, head_dim, prefill_kernel):
+@pytest.fixture
+def gemms_on_tiles(monkeypatch, request):
+    """With ``request.param`` true, every quantized layer of the engines built in the test takes the C kernel's AMX
+    build from one row (as if start-up had settled ``amx_from_rows`` 1), so the stack's GEMMs run on tiles."""
+    if request.param:
+        from tokenmill.engine import build
+        settled = build.quantization_plan
+        monkeypatch.setattr(build, "quantization_plan", lambda *args: {
+            path: plan._replace(amx_from_rows=1) for path, plan in settled(*args).items()})
+    return request.param
+
+
+# (family, head size, prefill kernel, GEMMs on AMX tiles)
+STACK_CASES = [(*case, False) for case in CASES] + ([("llama", 32, "amx", True)] if amx_available() else [])
+
+
+@pytest.mark.parametrize(("arch", "head_dim", "prefill_kernel", "gemms_on_tiles"), STACK_CASES,
+                         indirect=["prefill_kernel", "gemms_on_tiles"])
+def test_stack_matches_the_model_run_eagerly(tmp_path, smollm_llm, arch, head_dim, prefill_kernel, gemms_on_tiles):
     make_llama_checkpoint(tmp_path, smollm_llm, arch=arch, head_dim=head_dim)
     stacked = LLM(model=str(tmp_path), **ENGINE)
     eager = LLM(model=str(tmp_path), enforce_eager=True, cpu_layer_stack=False, **ENGINE)
     stack = stacked.engine.runner.model.cpu_stack
     assert stack is not None and eager.engine.runner.model.cpu_stack is None
+    if gemms_on_tiles:
+        assert all(llm.engine.runner.model.layers[0].mlp.gate_up_proj._cpu_kernel._weight.amx_from_rows == 1
+                   for llm in (stacked, eager))
     taken = counting(stack)
     ids = torch.randint(0, 1000, (23,), generator=torch.Generator().manual_seed(1)).tolist()
     for chunk in (1, 3, None):  # every position a decode; chunks of 3 over a cached prefix; the prompt in one step
