@@ -121,6 +121,8 @@ def bench_all(args) -> dict[str, list[dict]]:
                             "concurrency": str(level), "input_len": args.input_len, "output_len": args.output_len,
                             "num_prompts": max(16, 4 * level), "warmup": 1, "vocab_size": 49152,
                             "seed": time.time_ns() % 2**31}  # fresh prompts: no server gets a warm prefix cache
+                if args.shared_prefix:  # within a level, one prefix for all: computed once where cached
+                    settings.update(dataset="shared-prefix", prefix_len=args.shared_prefix)
                 settings["model"] = httpx.get(settings["base_url"] + "/models").json()["data"][0]["id"]
                 print(f"{name}: concurrency {level}", file=sys.stderr)
                 results[name] += run_sweep(settings)["levels"]
@@ -137,9 +139,11 @@ def cpu_name() -> str:
 
 def write_markdown(args, results: dict[str, list[dict]], path: Path) -> None:
     cpu = cpu_name()
+    shared = f" (the first {args.shared_prefix} shared by a level's requests)" if args.shared_prefix else ""
     lines = ["# tokenmill side by side", "",
              f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores ({cpu}), SmolLM2-135M-Instruct, "
-             f"{args.input_len} random prompt tokens + {args.output_len} forced output tokens per request, streaming "
+             f"{args.input_len} random prompt tokens{shared} + {args.output_len} forced output tokens per request, "
+             f"streaming "
              f"/v1/completions, temperature 0; every server on the same machine, one at a time (started, swept, "
              f"stopped).", "",
              f"Command: `python benchmarks/compare_cpu.py {' '.join(sys.argv[1:])}`", "",
@@ -176,6 +180,8 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--shared-prefix", type=int, default=0, help="the first N of each prompt's --input-len tokens "
+                        "shared by a level's requests (a system prompt; tokenmill bench's shared-prefix dataset)")
     parser.add_argument("--tokenmill-before", help="an earlier tokenmill checkout to serve beside this one")
     parser.add_argument("--full-precision", action="store_true",
                         help="also serve this tokenmill with --quantization none (the GGUF dequantized at load)")

@@ -83,7 +83,7 @@ def step_attention_bf16(q: torch.Tensor, data: torch.Tensor, scales: torch.Tenso
     code = library().tm_paged_attention_bf16(
         q.data_ptr(), q.stride(0), out.data_ptr(), num_tokens, data.data_ptr(),
         scales.data_ptr() if scales is not None else None, KINDS[data.dtype], *arguments, hq,
-        data.shape[2] // 2, dim, data.shape[1], sm_scale, softcap, torch.get_num_threads())
+        data.shape[2] // 2, dim, data.shape[1], sm_scale, softcap, None, None, torch.get_num_threads())
     if code != 0:
         raise MemoryError("CPU paged attention: scratch allocation failed")
     return out

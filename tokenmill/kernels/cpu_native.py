@@ -103,7 +103,7 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-        ctypes.c_float, ctypes.c_int]
+        ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.tm_set_attention_prefetch.argtypes = [ctypes.c_int]
     lib.tm_set_attention_prefetch.restype = None
     lib.tm_attention_prefetch.restype = ctypes.c_int

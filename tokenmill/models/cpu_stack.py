@@ -9,10 +9,10 @@ DecoderLayer without Gemma's norms, with a SwiGLU MLP and attention with no q/k 
 projection a QuantLinear on the interleaved C kernel (kernels/quant_linear.py) with no input permutation, bf16 norms
 of one eps, and a bf16 KV cache in one group. A step qualifies when its attention is the C kernels', in one call each,
 as kernels/cpu_attention.py's ``paged_attention_cpu`` would run it: decodes through the paged kernel, and prefill chunks
-through the settled prefill kernel: "paged" (causal segments of the same call), or "amx" / "avx512" for chunks with no
-cached prefix (their own tokens are the whole sequence: no merge); and when no layer would take its dense copy at the
-step's rows. Any other step (``run`` returns None: "sdpa", a chunk over a cached prefix) goes the model's usual way,
-compiled or eager; both ways compute the same things with the same kernels, the norms and residual adds rounded to
+through the settled prefill kernel: "paged" (causal segments of the same call), or "amx" / "avx512" over the chunks'
+own tokens, merged with a segment of the same call over a chunk's cached prefix where it has one; and when no layer
+would take its dense copy at the step's rows. Any other step (``run`` returns None: "sdpa") goes the model's usual
+way, compiled or eager; both ways compute the same things with the same kernels, the norms and residual adds rounded to
 bf16 as eager PyTorch does.
 """
 
@@ -52,7 +52,8 @@ class DecoderStepArgs(ctypes.Structure):
                 ("final_norm", _p), ("block_tables", _p), ("table_stride", ctypes.c_int64), ("req", _p),
                 ("q_start", _p), ("q_len", _p), ("kv_first", _p), ("kv_len", _p), ("causal", _p),
                 ("num_segments", ctypes.c_int64), ("own_kernel", ctypes.c_int64), ("chunk_starts", _p),
-                ("chunk_lens", _p), ("num_chunks", ctypes.c_int64), ("lse", _p)]
+                ("chunk_lens", _p), ("chunk_prefixed", _p), ("num_chunks", ctypes.c_int64), ("lse", _p),
+                ("prefix_out", _p), ("prefix_lse", _p)]
 
 
 # The own-token prefill kernels of kernels/cpu/prefill_attention.c decoder.c calls: settled name -> its code there.
@@ -192,20 +193,22 @@ class CPUDecoderStack:
                 or not self._bind(kv_cache):
             return None
         # Prefill chunks: under the "paged" kernel, causal segments of the paged kernel's; under an own-token kernel
-        # of prefill_attention.c, that kernel (chunks with a cached prefix, which would need a merge: the model's)
-        kernel, own = prefill_kernel(), None
+        # of prefill_attention.c, that kernel over their own tokens, merged with a segment over their cached prefix
+        # where they have one
+        kernel, own, prefixed = prefill_kernel(), None, False
         causal = bool(meta.prefill_indices) and kernel == "paged" and \
             paged_prefill_applies(torch.bfloat16, torch.bfloat16)
         if meta.prefill_indices and not causal:
-            starts = meta.query_start_loc
-            if kernel not in self.own_kernels or any(meta.seq_lens[i] != starts[i + 1] - starts[i]
-                                                     for i in meta.prefill_indices):
+            if kernel not in self.own_kernels:
                 return None
-            own = meta.derived("cpu_own_chunks", lambda: torch.tensor(
-                [[starts[i] for i in meta.prefill_indices], [starts[i + 1] - starts[i] for i in meta.prefill_indices]],
+            starts = meta.query_start_loc
+            own = meta.derived("cpu_own_chunks", lambda: torch.tensor(  # [3, chunks]: first row, rows, prefixed
+                [[starts[i] for i in meta.prefill_indices], [starts[i + 1] - starts[i] for i in meta.prefill_indices],
+                 [int(meta.seq_lens[i] > starts[i + 1] - starts[i]) for i in meta.prefill_indices]],
                 dtype=torch.int64))
+            prefixed = any(meta.seq_lens[i] > starts[i + 1] - starts[i] for i in meta.prefill_indices)
         # the same per-step derivations (and so the same cached objects) as the attention op's: with an own-token
-        # kernel, the segments are the decodes alone
+        # kernel, the segments are the decodes and the chunks' cached prefixes
         segments = meta.derived(("cpu_segments", 0, True, causal),
                                 lambda: _segments(meta, 0, with_prefills=True, causal=causal))
         if not segments.shape[1] and own is None:
@@ -215,10 +218,19 @@ class CPUDecoderStack:
         step = self.step
         (step.block_tables, step.table_stride, step.req, step.q_start, step.q_len, step.kv_first, step.kv_len,
          step.causal, step.num_segments) = arguments
-        lse = torch.empty(tokens, self.heads, dtype=torch.float32) if own is not None else None
+        # float32 scratch: the own-token kernel's log-sum-exps; with cached prefixes, their part's and its output
+        lse = prefix_lse = prefix_out = None
+        if own is not None:
+            lse = torch.empty(tokens, self.heads, dtype=torch.float32)
+            if prefixed:
+                prefix_lse = torch.empty(tokens, self.heads, dtype=torch.float32)
+                prefix_out = torch.empty(tokens, self.heads * self.head_dim, dtype=torch.float32)
         step.own_kernel, step.num_chunks = (OWN_KERNELS[kernel], own.shape[1]) if own is not None else (0, 0)
-        step.chunk_starts, step.chunk_lens, step.lse = \
-            (own[0].data_ptr(), own[1].data_ptr(), lse.data_ptr()) if own is not None else (None, None, None)
+        step.chunk_starts, step.chunk_lens, step.chunk_prefixed, step.lse = \
+            (own[0].data_ptr(), own[1].data_ptr(), own[2].data_ptr(), lse.data_ptr()) if own is not None \
+            else (None, None, None, None)
+        step.prefix_lse, step.prefix_out = \
+            (prefix_lse.data_ptr(), prefix_out.data_ptr()) if prefixed else (None, None)
         x = self.model.embed(input_ids)
         if x.dtype is not torch.bfloat16:
             return None
