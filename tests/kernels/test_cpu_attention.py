@@ -172,28 +172,6 @@ def test_a_decode_step_in_bf16_rounds_the_float32_result(kv_dtype, window, softc
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
 
 
-def test_a_bf16_step_gives_the_prefixes_float32_parts_to_merge():
-    """With somewhere for them (the layer stack's chunks over a cached prefix), the bf16 step also gives its rows'
-    float32 outputs and log-sum-exps: those of the float32 call, bit for bit, its bf16 rows their rounding."""
-    hq, hkv, d = 9, 3, 64
-    batch = paged_batch([(37, 5), (0, 1), (40, 1), (16, 9)], hq, hkv, d, "bf16", 16, num_blocks=256,
-                        q_dtype=torch.bfloat16, seed=3)
-    write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping)
-    segments = cpu_attention._segments(batch.meta, 0, with_prefills=True)  # decodes, and chunks over their prefixes
-    tables = batch.meta.block_tables.long().contiguous()
-    q = batch.q.contiguous()
-    rows = q.shape[0]
-    out, out32 = torch.empty(rows, hq, d, dtype=torch.bfloat16), torch.empty(rows, hq, d)
-    lse = torch.full((rows, hq), float("nan"))
-    code = cpu_native.library().tm_paged_attention_bf16(
-        q.data_ptr(), q.stride(0), out.data_ptr(), rows, batch.data.data_ptr(), None,
-        cpu_attention.KINDS[torch.bfloat16],
-        *cpu_attention.step_arguments(tables, segments), hq, hkv, d, batch.data.shape[1], d ** -0.5, 0.0,
-        lse.data_ptr(), out32.data_ptr(), 2)
-    want, want_lse = cpu_attention.cache_attention(q, batch.data, None, tables, segments, d ** -0.5)
-    assert code == 0 and torch.equal(lse, want_lse) and torch.equal(out32, want) and torch.equal(out, want.bfloat16())
-
-
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (333, 3.0)])
 def test_bf16_path_split_along_the_cache(window, softcap):
     """Long bf16 decodes split into parts whose states are merged (the bf16 path's accumulators are kept in a

@@ -84,6 +84,55 @@ def test_a_step_of_chunks_in_one_call(kernel):
     assert (out[45:60] == 7.0).all() and (out[77:99] == 7.0).all()
 
 
+def exact_over_prefix(q, k_prefix, v_prefix, k, v, scale):
+    """Causal attention in float64 of queries after a prefix: query i sees the whole prefix and its own keys 0 .. i."""
+    group = q.shape[1] // k.shape[1]
+    keys = torch.cat([k_prefix, k]).double().repeat_interleave(group, 1)
+    values = torch.cat([v_prefix, v]).double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
+    own, before = q.shape[0], k_prefix.shape[0]
+    seen = torch.ones(own, before + own, dtype=torch.bool).tril(before)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values), scores.logsumexp(-1).t()
+
+
+@pytest.mark.parametrize("kernel", C_KERNELS)
+@pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 32, 16)])
+def test_chunks_over_cached_prefixes_read_through_the_block_table(kernel, hq, hkv, d, block_size):
+    """Chunks after prefixes of 0-140 cached tokens (not multiples of the block or of the kernel's 32 keys), the
+    prefixes on scattered blocks of a paged cache: each chunk's queries see their prefix and their own keys causally,
+    one softmax, against float64."""
+    gen = torch.Generator().manual_seed(d + block_size)
+    chunks = [(0, 20), (20, 33), (53, 1), (54, 16)]  # (first row, length) of the step's rows
+    prefix_lens = [37, 0, 140, 5]
+    rows = sum(length for _, length in chunks)
+    fused = torch.randn(rows, hq + 2 * hkv, d, generator=gen).bfloat16()
+    q, k, v = fused.split([hq, hkv, hkv], dim=1)
+    # the cache [blocks][block_size][2 hkv][d]: each chunk's prefix on blocks in a shuffled order
+    blocks_each = [-(-n // block_size) for n in prefix_lens]
+    order = torch.randperm(sum(blocks_each) + 1, generator=gen).tolist()
+    cache = torch.randn(len(order), block_size, 2 * hkv, d, generator=gen).bfloat16()
+    tables = torch.zeros(len(chunks) + 1, max(blocks_each), dtype=torch.int64)
+    for c, count in enumerate(blocks_each):
+        tables[c + 1, :count] = torch.tensor(order[sum(blocks_each[:c]):sum(blocks_each[:c + 1])])
+    table_rows = list(range(1, len(chunks) + 1))  # row 0 is no chunk's
+    meta = torch.tensor([table_rows, prefix_lens], dtype=torch.int64)
+    prefix = cpu_attention.PrefillPrefix(cache.data_ptr(), tables.data_ptr(), tables.stride(0), block_size,
+                                         meta[0].data_ptr(), meta[1].data_ptr())
+    result = cpu_attention.c_prefill_attention(kernel, q, k, v, d ** -0.5, chunks, prefix=prefix)
+    if not RUNS[kernel]:
+        assert result is None
+        return
+    out, lse = result
+    bound = 2 * 2 ** -8 * max(v.float().abs().max().item(), cache.float().abs().max().item())
+    for c, (start, length) in enumerate(chunks):
+        tokens = cache[tables[c + 1]].flatten(0, 1)[:prefix_lens[c]]  # [P, 2 hkv, d]
+        own = slice(start, start + length)
+        want_out, want_lse = exact_over_prefix(q[own], tokens[:, :hkv], tokens[:, hkv:], k[own], v[own], d ** -0.5)
+        torch.testing.assert_close(out[own].double(), want_out, atol=bound, rtol=2 ** -8)
+        torch.testing.assert_close(lse[own].double(), want_lse, atol=2 ** -8 + 1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("kernel", C_KERNELS)
 def test_layouts_the_kernel_does_not_take_are_declined(kernel):
     q = torch.zeros(4, 4, 64, dtype=torch.bfloat16)

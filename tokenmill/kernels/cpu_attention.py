@@ -12,10 +12,13 @@ Same contract as kernels/paged_attention.py's reference (shapes, null block, wha
   - "paged": the C kernel over the cache alone, in one causal segment per chunk (the attention op wrote the
     chunk's K/V there first), with the step's decodes in the same call: no own-token pass and no merge. A bf16
     model over a bf16 cache only (an fp8 cache would quantize the chunk's own keys, which the others read exact);
-  - "sdpa" / "amx" / "avx512": the prefix from the cache (a segment of all its queries, no mask needed: every query
-    sees the whole prefix) and the own tokens, unquantized from ``k_new``/``v_new``, causally, through PyTorch's
-    flash SDPA or kernels/cpu/prefill_attention.c (on AMX tiles, or in zmm registers with AVX512-BF16); the two
-    partial softmaxes merged by their log-sum-exps.
+  - "amx" / "avx512" over a bf16 cache: kernels/cpu/prefill_attention.c (on AMX tiles, or in zmm registers with
+    AVX512-BF16), each chunk's cached prefix read from the cache through its block table and its own tokens from
+    ``k_new``/``v_new``, causally, in one softmax (``prefill_with_prefixes``; the step's decodes by the cache kernel);
+  - "sdpa", or "amx" / "avx512" over another cache: the prefix from the cache (a segment of all its queries, no mask
+    needed: every query sees the whole prefix) and the own tokens, unquantized from ``k_new``/``v_new``, causally,
+    through PyTorch's flash SDPA or kernels/cpu/prefill_attention.c; the two partial softmaxes merged by their
+    log-sum-exps.
 
 Attention features (kernels/attention_features.py): a decode's window is where its segment starts in the cache,
 soft-capping is applied to every score in the kernel, and sinks scale the finished rows by ``sigmoid(lse - sink)``.
@@ -25,6 +28,7 @@ places, and flash SDPA caps nothing); decode is what runs every step.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Sequence
 
 import torch
@@ -73,9 +77,10 @@ def step_arguments(tables: torch.Tensor, segments: torch.Tensor) -> tuple[int, .
 
 def step_attention_bf16(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
                         arguments: tuple[int, ...], sm_scale: float, softcap: float = 0.0) -> torch.Tensor:
-    """A step whose segments cover every row (decodes, and prefill chunks as causal segments): bf16 q [N, Hq, D]
-    (heads contiguous within a token) -> bf16 out [N, Hq, D], the kernel widening and rounding itself (a bf16
-    model's every decode step, and its prefill steps where the "paged" prefill kernel was settled)."""
+    """A step's segments (decodes, and prefill chunks as causal segments): bf16 q [N, Hq, D] (heads contiguous within
+    a token) -> bf16 out [N, Hq, D], the kernel widening and rounding itself, rows no segment covers zero (a bf16
+    model's every decode step; its prefill steps under the "paged" prefill kernel, or the decodes beside chunks under
+    an own-token one)."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     num_tokens, hq, dim = q.shape
@@ -83,7 +88,7 @@ def step_attention_bf16(q: torch.Tensor, data: torch.Tensor, scales: torch.Tenso
     code = library().tm_paged_attention_bf16(
         q.data_ptr(), q.stride(0), out.data_ptr(), num_tokens, data.data_ptr(),
         scales.data_ptr() if scales is not None else None, KINDS[data.dtype], *arguments, hq,
-        data.shape[2] // 2, dim, data.shape[1], sm_scale, softcap, None, None, torch.get_num_threads())
+        data.shape[2] // 2, dim, data.shape[1], sm_scale, softcap, torch.get_num_threads())
     if code != 0:
         raise MemoryError("CPU paged attention: scratch allocation failed")
     return out
@@ -160,14 +165,32 @@ def prefill_kernel() -> str:
     return _prefill_kernel
 
 
+class PrefillPrefix(ctypes.Structure):
+    """kernels/cpu/prefill_attention.c's tm_prefill_prefix: the chunks' cached prefixes in a bf16 paged cache, chunk
+    c's the first prefix_lens[c] tokens (0: none) of block-table row table_rows[c]."""
+    _fields_ = [("cache", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
+                ("block_size", ctypes.c_int64), ("table_rows", ctypes.c_void_p), ("prefix_lens", ctypes.c_void_p)]
+
+
+def chunk_prefixes(meta: AttentionMetadata) -> torch.Tensor | None:
+    """[2, chunks] int64 (built once a step): each prefill chunk's block-table row and cached prefix length, in
+    ``meta.prefill_indices`` order; None where no chunk has a cached prefix."""
+    def build():
+        starts = meta.query_start_loc
+        lens = [meta.seq_lens[i] - (starts[i + 1] - starts[i]) for i in meta.prefill_indices]
+        return torch.tensor([list(meta.prefill_indices), lens], dtype=torch.int64) if any(lens) else None
+    return meta.derived("cpu_chunk_prefixes", build)
+
+
 def c_prefill_attention(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-                        chunks: Sequence[tuple[int, int]] | None = None, out: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                        chunks: Sequence[tuple[int, int]] | None = None, out: torch.Tensor | None = None,
+                        prefix: PrefillPrefix | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """own_tokens_attention by ``kernel`` (a C_PREFILL_KERNELS name) for each chunk (start row, length; default: all
     rows, one chunk) of bf16 q [T, Hq, D], k/v [T, Hkv, D] (heads contiguous within a token), in one call -> (out [T,
     Hq, D] bf16: ``out`` where given, contiguous; lse [T, Hq] float32), the chunks' rows written, others untouched; or
     None where the kernel does not apply (not in this build or host: AMX, AVX512-BF16; another dtype or layout; D not
-    a multiple of 32)."""
+    a multiple of 32). With ``prefix``, each chunk attends its cached prefix (read from the cache) before its own
+    tokens, in one softmax."""
     lib = library()
     if lib is None or not all(t.dtype is torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
                               for t in (q, k, v)):
@@ -183,7 +206,7 @@ def c_prefill_attention(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.
     code = getattr(lib, C_PREFILL_KERNELS[kernel])(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
         lse.data_ptr(), runs[0].data_ptr(), runs[1].data_ptr(), runs.shape[1], hq, k.shape[1], dim, sm_scale,
-        torch.get_num_threads())
+        ctypes.byref(prefix) if prefix is not None else None, torch.get_num_threads())
     if code == -2:
         raise MemoryError("CPU prefill attention: scratch allocation failed")
     return (out, lse) if code == 0 else None
@@ -220,10 +243,36 @@ def paged_prefill_applies(q_dtype: torch.dtype, cache_dtype: torch.dtype | None)
     return q_dtype is torch.bfloat16 and cache_dtype is torch.bfloat16
 
 
+def prefill_with_prefixes(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
+                          meta: AttentionMetadata, sm_scale: float) -> torch.Tensor | None:
+    """A step with prefill chunks under an own-token C kernel, over a bf16 cache: its decodes by the cache kernel's
+    bf16 path, its chunks by the own-token kernel, each over its cached prefix (read from the cache) and its own tokens
+    in one softmax -> out [T, Hq, D] bf16; or None where the kernel does not take these tensors."""
+    segments = meta.derived(("cpu_segments", 0, False, False), lambda: _segments(meta, 0, with_prefills=False))
+    tables = meta.derived("cpu_block_tables", lambda: meta.block_tables.long().contiguous())
+    if segments.shape[1]:  # the decodes' rows (the chunks' rows zero, overwritten below)
+        arguments = meta.derived(("cpu_step_arguments", 0, False, False), lambda: step_arguments(tables, segments))
+        out = step_attention_bf16(q, data, None, arguments, sm_scale)
+    else:
+        out = torch.empty(q.shape, dtype=torch.bfloat16)
+    chunks = meta.derived("cpu_chunk_runs", lambda: [
+        (meta.query_start_loc[i], meta.query_start_loc[i + 1] - meta.query_start_loc[i]) for i in meta.prefill_indices])
+    prefixes = chunk_prefixes(meta)
+    prefix = PrefillPrefix(data.data_ptr(), tables.data_ptr(), tables.stride(0), data.shape[1], prefixes[0].data_ptr(),
+                           prefixes[1].data_ptr()) if prefixes is not None else None
+    done = c_prefill_attention(_prefill_kernel, q, k_new, v_new, sm_scale, chunks, out, prefix)
+    return out if done is not None else None
+
+
 def paged_attention_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, data: torch.Tensor,
                         scales: torch.Tensor | None, meta: AttentionMetadata, sm_scale: float,
                         features: AttentionFeatures = PLAIN) -> torch.Tensor:
     plain = features.plain
+    if plain and meta.prefill_indices and _prefill_kernel in C_PREFILL_KERNELS and q.dtype is torch.bfloat16 \
+            and paged_prefill_applies(q.dtype, data.dtype):
+        out = prefill_with_prefixes(q, k_new, v_new, data, meta, sm_scale)
+        if out is not None:
+            return out
     causal = bool(meta.prefill_indices) and plain and _prefill_kernel == "paged" and \
         paged_prefill_applies(q.dtype, data.dtype)
     segments = meta.derived(("cpu_segments", features.window, plain, causal),

@@ -29,7 +29,7 @@ SOURCES = tuple(Path(__file__).parent / "cpu" / name
                 for name in ("paged_attention.c", "prefill_attention.c", "quant_linear.c", "quant_linear_x16.c",
                              "argmax.c", "gated_activation.c", "rotary.c", "decoder.c"))
 # Included by the sources: part of what a build (and a measurement of it) is keyed on.
-HEADERS = (Path(__file__).parent / "cpu" / "simd_common.h",)
+HEADERS = tuple(Path(__file__).parent / "cpu" / name for name in ("simd_common.h", "prefill_attention.h"))
 # fast-math's reassociation lets the reductions and expf vectorize (glibc's libmvec); finite sentinels are used in
 # place of infinities inside the loops.
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-ffast-math", "-fPIC", "-shared")
@@ -103,7 +103,7 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-        ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        ctypes.c_float, ctypes.c_int]
     lib.tm_set_attention_prefetch.argtypes = [ctypes.c_int]
     lib.tm_set_attention_prefetch.restype = None
     lib.tm_attention_prefetch.restype = ctypes.c_int
@@ -140,7 +140,7 @@ def _build(cache_dir: Path) -> ctypes.CDLL | None:
         fn.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+            ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     lib.tm_decoder_stack.restype = ctypes.c_int
     lib.tm_decoder_stack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]

@@ -9,11 +9,11 @@ DecoderLayer without Gemma's norms, with a SwiGLU MLP and attention with no q/k 
 projection a QuantLinear on the interleaved C kernel (kernels/quant_linear.py) with no input permutation, bf16 norms
 of one eps, and a bf16 KV cache in one group. A step qualifies when its attention is the C kernels', in one call each,
 as kernels/cpu_attention.py's ``paged_attention_cpu`` would run it: decodes through the paged kernel, and prefill chunks
-through the settled prefill kernel: "paged" (causal segments of the same call), or "amx" / "avx512" over the chunks'
-own tokens, merged with a segment of the same call over a chunk's cached prefix where it has one; and when no layer
-would take its dense copy at the step's rows. Any other step (``run`` returns None: "sdpa") goes the model's usual
-way, compiled or eager; both ways compute the same things with the same kernels, the norms and residual adds rounded to
-bf16 as eager PyTorch does.
+through the settled prefill kernel: "paged" (causal segments of the same call), or "amx" / "avx512" (each chunk over
+its cached prefix, read from the cache, and its own tokens: cpu_attention.py's ``prefill_with_prefixes``); and when no
+layer would take its dense copy at the step's rows. Any other step (``run`` returns None: "sdpa") goes the model's
+usual way, compiled or eager; both ways compute the same things with the same kernels, the norms and residual adds
+rounded to bf16 as eager PyTorch does.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import logging
 
 import torch
 
-from tokenmill.kernels.cpu_attention import _segments, paged_prefill_applies, prefill_kernel, step_arguments
+from tokenmill.kernels.cpu_attention import (_segments, chunk_prefixes, paged_prefill_applies, prefill_kernel,
+                                             step_arguments)
 from tokenmill.kernels.cpu_native import library
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kernels.quant_linear import CPUQuantMatmul
@@ -52,8 +53,7 @@ class DecoderStepArgs(ctypes.Structure):
                 ("final_norm", _p), ("block_tables", _p), ("table_stride", ctypes.c_int64), ("req", _p),
                 ("q_start", _p), ("q_len", _p), ("kv_first", _p), ("kv_len", _p), ("causal", _p),
                 ("num_segments", ctypes.c_int64), ("own_kernel", ctypes.c_int64), ("chunk_starts", _p),
-                ("chunk_lens", _p), ("chunk_prefixed", _p), ("num_chunks", ctypes.c_int64), ("lse", _p),
-                ("prefix_out", _p), ("prefix_lse", _p)]
+                ("chunk_lens", _p), ("chunk_prefixes", _p), ("num_chunks", ctypes.c_int64), ("lse", _p)]
 
 
 # The own-token prefill kernels of kernels/cpu/prefill_attention.c decoder.c calls: settled name -> its code there.
@@ -193,44 +193,36 @@ class CPUDecoderStack:
                 or not self._bind(kv_cache):
             return None
         # Prefill chunks: under the "paged" kernel, causal segments of the paged kernel's; under an own-token kernel
-        # of prefill_attention.c, that kernel over their own tokens, merged with a segment over their cached prefix
-        # where they have one
-        kernel, own, prefixed = prefill_kernel(), None, False
+        # of prefill_attention.c, that kernel, over each chunk's cached prefix and its own tokens
+        kernel, own, prefixes = prefill_kernel(), None, None
         causal = bool(meta.prefill_indices) and kernel == "paged" and \
             paged_prefill_applies(torch.bfloat16, torch.bfloat16)
         if meta.prefill_indices and not causal:
             if kernel not in self.own_kernels:
                 return None
-            starts = meta.query_start_loc
-            own = meta.derived("cpu_own_chunks", lambda: torch.tensor(  # [3, chunks]: first row, rows, prefixed
-                [[starts[i] for i in meta.prefill_indices], [starts[i + 1] - starts[i] for i in meta.prefill_indices],
-                 [int(meta.seq_lens[i] > starts[i + 1] - starts[i]) for i in meta.prefill_indices]],
-                dtype=torch.int64))
-            prefixed = any(meta.seq_lens[i] > starts[i + 1] - starts[i] for i in meta.prefill_indices)
+            chunks = meta.derived("cpu_chunk_runs", lambda: [
+                (meta.query_start_loc[i], meta.query_start_loc[i + 1] - meta.query_start_loc[i])
+                for i in meta.prefill_indices])
+            own = meta.derived("cpu_own_chunks", lambda: torch.tensor(chunks, dtype=torch.int64).t().contiguous())
+            prefixes = chunk_prefixes(meta)
         # the same per-step derivations (and so the same cached objects) as the attention op's: with an own-token
-        # kernel, the segments are the decodes and the chunks' cached prefixes
-        segments = meta.derived(("cpu_segments", 0, True, causal),
-                                lambda: _segments(meta, 0, with_prefills=True, causal=causal))
+        # kernel, the segments are the decodes alone
+        with_prefills = own is None
+        segments = meta.derived(("cpu_segments", 0, with_prefills, causal),
+                                lambda: _segments(meta, 0, with_prefills=with_prefills, causal=causal))
         if not segments.shape[1] and own is None:
             return None
         tables = meta.derived("cpu_block_tables", lambda: meta.block_tables.long().contiguous())
-        arguments = meta.derived(("cpu_step_arguments", 0, True, causal), lambda: step_arguments(tables, segments))
+        arguments = meta.derived(("cpu_step_arguments", 0, with_prefills, causal),
+                                 lambda: step_arguments(tables, segments))
         step = self.step
         (step.block_tables, step.table_stride, step.req, step.q_start, step.q_len, step.kv_first, step.kv_len,
          step.causal, step.num_segments) = arguments
-        # float32 scratch: the own-token kernel's log-sum-exps; with cached prefixes, their part's and its output
-        lse = prefix_lse = prefix_out = None
-        if own is not None:
-            lse = torch.empty(tokens, self.heads, dtype=torch.float32)
-            if prefixed:
-                prefix_lse = torch.empty(tokens, self.heads, dtype=torch.float32)
-                prefix_out = torch.empty(tokens, self.heads * self.head_dim, dtype=torch.float32)
+        lse = torch.empty(tokens, self.heads, dtype=torch.float32) if own is not None else None
         step.own_kernel, step.num_chunks = (OWN_KERNELS[kernel], own.shape[1]) if own is not None else (0, 0)
-        step.chunk_starts, step.chunk_lens, step.chunk_prefixed, step.lse = \
-            (own[0].data_ptr(), own[1].data_ptr(), own[2].data_ptr(), lse.data_ptr()) if own is not None \
-            else (None, None, None, None)
-        step.prefix_lse, step.prefix_out = \
-            (prefix_lse.data_ptr(), prefix_out.data_ptr()) if prefixed else (None, None)
+        step.chunk_starts, step.chunk_lens, step.lse = \
+            (own[0].data_ptr(), own[1].data_ptr(), lse.data_ptr()) if own is not None else (None, None, None)
+        step.chunk_prefixes = prefixes.data_ptr() if prefixes is not None else None
         x = self.model.embed(input_ids)
         if x.dtype is not torch.bfloat16:
             return None

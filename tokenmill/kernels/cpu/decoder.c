@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "prefill_attention.h"
 #include "simd_common.h"
 
 // The kernels this file calls (their own files document them); the weight handles are quant_linear_x16.c's
@@ -31,17 +32,12 @@ int tm_paged_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, 
                             const float *scales, int kind, const int64_t *block_tables, int64_t table_stride,
                             const int32_t *req, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_first,
                             const int32_t *kv_len, const int32_t *causal, int num_segments, int Hq, int Hkv, int D,
-                            int block_size, float sm_scale, float softcap, float *lse, float *out32, int threads);
+                            int block_size, float sm_scale, float softcap, int threads);
 void tm_silu_mul(const void *gu, int64_t gu_stride, void *out, int64_t rows, int64_t inter, int bf16, int threads);
 typedef int (*own_tokens_fn)(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                              const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
-                             const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads);
-int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                             const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
-                             const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads);
-int tm_prefill_attention_avx512(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                                const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
-                                const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads);
+                             const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale,
+                             const tm_prefill_prefix *prefix, int threads);
 
 // One layer's constant arguments (models/cpu_stack.py's DecoderLayerArgs mirrors it). Biases are float32 or NULL.
 typedef struct {
@@ -64,16 +60,14 @@ typedef struct {
     int64_t table_stride;
     const int32_t *req, *q_start, *q_len, *kv_first, *kv_len, *causal;
     int64_t num_segments;
-    // Prefill chunks whose own tokens no segment covers: their own tokens' causal attention by prefill_attention.c's
-    // kernel (own_kernel 1: AMX, 2: AVX512-BF16; 0: none, the segments cover every row), chunk c's rows
-    // chunk_starts[c] .. + chunk_lens[c]; lse: [T][heads] float32 scratch for it. A chunk with chunk_prefixed[c] != 0
-    // has a cached prefix too, which a (non-causal) segment of its rows covers: that part's float32 output and
-    // log-sum-exps go to prefix_out [T][heads][D] and prefix_lse [T][heads] (scratch; all three NULL where no chunk has
-    // a prefix), and the two partial softmaxes are merged as kernels/cpu_attention.py's ``merge``.
+    // Prefill chunks, which no segment covers: their attention by prefill_attention.c's kernel (own_kernel 1: AMX,
+    // 2: AVX512-BF16; 0: none, the segments cover every row), chunk c's rows chunk_starts[c] .. + chunk_lens[c], over
+    // its cached prefix too where chunk_prefixes (NULL: no chunk has one) gives it one: [2][num_chunks], the
+    // chunks' block-table rows, then their prefix lengths (0: none). lse: [T][heads] float32 scratch for the kernel.
     int64_t own_kernel;
-    const int64_t *chunk_starts, *chunk_lens, *chunk_prefixed;
+    const int64_t *chunk_starts, *chunk_lens, *chunk_prefixes;
     int64_t num_chunks;
-    float *lse, *prefix_out, *prefix_lse;
+    float *lse;
 } tm_decoder_step;
 
 #define MIN_PARALLEL_ROWS 64  // fewer rows than this: the norms and adds run on the calling thread
@@ -101,24 +95,6 @@ static void add_rms_norm(uint16_t *x, const uint16_t *add, const uint16_t *w, ui
 #pragma omp simd
         for (int64_t i = 0; i < n; i++)
             o[i] = tm_bf16_bits(tm_bf16_value(w[i]) * tm_bf16_value(tm_bf16_bits(tm_bf16_value(xr[i]) * inv)));
-    }
-}
-
-// Rows start .. + len of attn [T][heads][D] bf16 (a chunk's attention over its own tokens, log-sum-exps own_lse) and
-// of prefix [T][heads][D] float32 (over its cached prefix, prefix_lse): the softmax over both, rounded to bf16, into
-// attn, computed as kernels/cpu_attention.py's ``merge`` does in float32.
-static void merge_prefix(uint16_t *attn, const float *own_lse, const float *prefix, const float *prefix_lse,
-                         int64_t start, int64_t len, int64_t heads, int64_t D, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && len >= MIN_PARALLEL_ROWS)
-    for (int64_t t = start; t < start + len; t++) {
-        for (int64_t h = 0; h < heads; h++) {
-            const float la = prefix_lse[t * heads + h], lb = own_lse[t * heads + h], top = la > lb ? la : lb;
-            const float wa = expf(la - top), wb = expf(lb - top), sum = wa + wb;
-            const float *a = prefix + (t * heads + h) * D;
-            uint16_t *b = attn + (t * heads + h) * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) b[d] = tm_bf16_bits((a[d] * wa + tm_bf16_value(b[d]) * wb) / sum);
-        }
     }
 }
 
@@ -150,21 +126,20 @@ int tm_decoder_stack(const tm_decoder_step *s, const tm_decoder_layer *layers, i
                        positions, s->num_positions, s->cos, s->sin, 1, threads))
             return -2;
         if (tm_write_kv(l->cache, s->num_slots, k, width, v, width, slots, T, s->kv_heads, D, 2)) return -3;
-        // the segments' rows (the others zero), then the chunks' rows over them, merged with their prefixes' parts
+        // the segments' rows (the others zero), then the chunks' rows over them
         if (s->num_segments &&
             tm_paged_attention_bf16(qkv, width, attn, T, l->cache, NULL, 1, s->block_tables, s->table_stride,
                                     s->req, s->q_start, s->q_len, s->kv_first, s->kv_len, s->causal,
                                     (int)s->num_segments, (int)s->heads, (int)s->kv_heads, (int)D,
-                                    (int)s->block_size, s->sm_scale, 0.0f, s->prefix_lse, s->prefix_out, threads))
+                                    (int)s->block_size, s->sm_scale, 0.0f, threads))
             return -4;
         if (own && s->num_chunks) {
+            const tm_prefill_prefix prefix = {l->cache, s->block_tables, s->table_stride, s->block_size,
+                                              s->chunk_prefixes, s->chunk_prefixes + s->num_chunks};
             const int code = own(qkv, width, k, width, v, width, attn, s->lse, s->chunk_starts, s->chunk_lens,
-                                 (int)s->num_chunks, (int)s->heads, (int)s->kv_heads, (int)D, s->sm_scale, threads);
+                                 (int)s->num_chunks, (int)s->heads, (int)s->kv_heads, (int)D, s->sm_scale,
+                                 s->chunk_prefixes ? &prefix : NULL, threads);
             if (code) return code == -2 ? -4 : -5;
-            for (int64_t c = 0; s->prefix_out && c < s->num_chunks; c++)
-                if (s->chunk_prefixed[c])
-                    merge_prefix(attn, s->lse, s->prefix_out, s->prefix_lse, s->chunk_starts[c], s->chunk_lens[c],
-                                 s->heads, D, threads);
         }
         if (tm_quant_linear_x16(l->o, attn, T, l->o_bias, proj, 1)) return -1;
         add_rms_norm(x, proj, l->post_norm, h, T, H, s->eps, threads);

@@ -885,28 +885,25 @@ void tm_round_bf16(const float *src, uint16_t *dst, int64_t n) {
 }
 
 
-// tm_paged_attention over bf16 queries (row t's [Hq][D] at q + t * q_stride) into bf16 out [rows][Hq][D], with causal
-// segments (causal: per segment, or NULL): a bf16 model's step (decodes, prefill chunks whose own tokens are in the
-// cache as causal segments, or chunks' cached prefixes), with no conversion of its own. lse [rows][Hq] and out32
-// [rows][Hq][D]: NULL, or where the rows' log-sum-exps and their float32 outputs before rounding go too (a chunk's
-// prefix, merged with its own tokens' attention: kernels/cpu/decoder.c). Rows no segment covers come out zero in out
-// and out32, their lse unwritten. Other arguments as tm_paged_attention's; the same returns.
+// tm_paged_attention over bf16 queries (row t's [Hq][D] at q + t * q_stride) into bf16 out [rows][Hq][D] (no lse),
+// with causal segments (causal: per segment, or NULL): a bf16 model's step (decodes, and prefill chunks whose own
+// tokens are in the cache), with no conversion of its own; rows no segment covers come out zero (a prefill kernel's
+// to fill). Other arguments as there; the same returns.
 int tm_paged_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t rows, const void *cache,
                             const float *scales,
                             int kind, const int64_t *block_tables, int64_t table_stride, const int32_t *req,
                             const int32_t *q_start, const int32_t *q_len, const int32_t *kv_first,
                             const int32_t *kv_len, const int32_t *causal, int num_segments, int Hq, int Hkv, int D,
-                            int block_size, float sm_scale, float softcap, float *lse, float *out32, int threads) {
+                            int block_size, float sm_scale, float softcap, int threads) {
     const int64_t width = (int64_t)Hq * D, n = rows * width;
-    float *buffer = malloc(sizeof(float) * (size_t)(out32 ? n : 2 * n));
+    float *buffer = malloc(sizeof(float) * (size_t)(2 * n));
     if (!buffer) return -1;
-    float *result = out32 ? out32 : buffer + n;
-    memset(result, 0, sizeof(float) * (size_t)n);
+    memset(buffer + n, 0, sizeof(float) * (size_t)n);  // rows no segment covers come out zero, not garbage
     for (int64_t t = 0; t < rows; t++) tm_widen_bf16(q + t * q_stride, buffer + t * width, width);
-    const int code = attention(buffer, result, lse, cache, scales, kind, block_tables, table_stride, req, q_start,
+    const int code = attention(buffer, buffer + n, NULL, cache, scales, kind, block_tables, table_stride, req, q_start,
                                q_len, kv_first, kv_len, causal, num_segments, Hq, Hkv, D, block_size, sm_scale, softcap,
                                1, threads);
-    if (code == 0) tm_round_bf16(result, out, n);
+    if (code == 0) tm_round_bf16(buffer + n, out, n);
     free(buffer);
     return code;
 }

@@ -7,6 +7,11 @@
 // float32 (natural log of the sum of e^(scaled score), as SDPA returns it). A chunk's query i sees its keys 0 .. i.
 // D a multiple of 32, at most 256.
 //
+// A chunk with a cached prefix (``prefix``, not NULL, gives it P > 0 tokens) has those P tokens' K / V read from the
+// paged cache through its block table, before its own: its query i sees the prefix and its own keys 0 .. i, in one
+// softmax (no merge of two partial ones), at the transposed form's speed, where the decode kernel's rows over the
+// prefix took ~4x longer a key.
+//
 // How, in transposed form: each KV head's K rows are copied (padded with zeros to a multiple of 32 keys) and its V
 // transposed ([D][keys]), so that both products' A tiles are plain strided loads. Per (query head, block of 16
 // queries), the block's Q^T is laid out once as B tiles; then over 32-key blocks up to the diagonal: S^T = K Q^T in
@@ -24,9 +29,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prefill_attention.h"
 #include "simd_common.h"
 
 int tm_amx_available(void);  // quant_linear_x16.c: the build has AMX and Linux lets this process use the tiles
+
+// Chunk c's cached tokens before its own (prefill_attention.h).
+static inline int64_t prefix_len(const tm_prefill_prefix *prefix, int c) {
+    return prefix ? prefix->prefix_lens[c] : 0;
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define TM_PREFILL_VEC 1
@@ -35,18 +46,25 @@ int tm_amx_available(void);  // quant_linear_x16.c: the build has AMX and Linux 
 #define QB 16  // queries a block (the C tiles' 16 columns)
 #define KB 32  // keys a block (two C tiles of S^T; the K dimension of the P V product)
 
-// KV head h's K rows [Lp][D] and V transposed [D][Lp] (rows < L; zero from L to Lp, a multiple of KB): the A tiles
-// of the two products (16 keys x 32 dims; 16 dims x 32 keys) are then plain strided loads.
+// KV head h's K rows [Lp][D] and V transposed [D][Lp] of a chunk's keys: its P cached tokens (slot t's K at
+// cache + slots[t] * 2 Hkv D, its V Hkv D further; P 0: none), then its L own (k / v rows 0 .. L - 1), zero from
+// P + L to Lp (a multiple of KB): the A tiles of the two products (16 keys x 32 dims; 16 dims x 32 keys) are then plain
+// strided loads.
 static void pack_head(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, int64_t L,
-                      int64_t Lp, int h, int D, uint16_t *kp, uint16_t *vt) {
+                      const uint16_t *cache, const int64_t *slots, int64_t P, int Hkv, int64_t Lp, int h, int D,
+                      uint16_t *kp, uint16_t *vt) {
+    const int64_t slot_stride = 2 * (int64_t)Hkv * D;
     for (int64_t t = 0; t < Lp; t++) {
-        if (t < L)
-            memcpy(kp + t * D, k + t * k_stride + (int64_t)h * D, (size_t)D * 2);
+        const uint16_t *kr = t < P ? cache + slots[t] * slot_stride + (int64_t)h * D
+                             : t < P + L ? k + (t - P) * k_stride + (int64_t)h * D : NULL;
+        if (kr)
+            memcpy(kp + t * D, kr, (size_t)D * 2);
         else
             memset(kp + t * D, 0, (size_t)D * 2);
+        const uint16_t *vr = t < P ? cache + slots[t] * slot_stride + (int64_t)(Hkv + h) * D
+                             : t < P + L ? v + (t - P) * v_stride + (int64_t)h * D : NULL;
+        for (int d = 0; d < D; d++) vt[d * Lp + t] = vr ? vr[d] : 0;
     }
-    for (int d = 0; d < D; d++)
-        for (int64_t t = 0; t < Lp; t++) vt[d * Lp + t] = t < L ? v[t * v_stride + (int64_t)h * D + d] : 0;
 }
 
 // The running maximum a row's probabilities are taken against moves only when a block's maximum passes it by more
@@ -298,11 +316,11 @@ static void keys_amx(const uint16_t *kp, const uint16_t *vt, int64_t Lp, int D, 
 #endif
 
 #if defined(TM_PREFILL_VEC)
-// Query head hq's block of queries q0 .. q0 + 15 (those < L) over keys 0 .. their last, in transposed form, on AMX
-// tiles (amx) or zmm registers: qt: [D / 32][16 dim pairs][16 queries][2] scratch, s: [KB][16] float32, acc: [D][16]
-// float32.
-static void query_block(const uint16_t *q, int64_t q_stride, uint16_t *out, float *lse, int64_t L, int Hq, int hq,
-                        int D, int64_t q0, int64_t Lp, const uint16_t *kp, const uint16_t *vt, float sm_scale,
+// Query head hq's block of queries q0 .. q0 + 15 (those < L; after P cached keys: query i is key P + i) over keys
+// 0 .. their last, in transposed form, on AMX tiles (amx) or zmm registers: qt: [D / 32][16 dim pairs][16 queries][2]
+// scratch, s: [KB][16] float32, acc: [D][16] float32.
+static void query_block(const uint16_t *q, int64_t q_stride, uint16_t *out, float *lse, int64_t L, int64_t P, int Hq,
+                        int hq, int D, int64_t q0, int64_t Lp, const uint16_t *kp, const uint16_t *vt, float sm_scale,
                         uint32_t *qt, float *s, float *acc, int amx) {
 #if !defined(TM_PREFILL_AMX)
     (void)amx;
@@ -314,46 +332,63 @@ static void query_block(const uint16_t *q, int64_t q_stride, uint16_t *out, floa
     const __m512 c = _mm512_set1_ps(sm_scale * 1.44269504089f);
 #if defined(TM_PREFILL_AMX)
     if (amx)
-        keys_amx(kp, vt, Lp, D, q0, q0 + rows - 1, c, qt, s, acc, &st);
+        keys_amx(kp, vt, Lp, D, P + q0, P + q0 + rows - 1, c, qt, s, acc, &st);
     else
 #endif
-        keys_vec(kp, vt, Lp, D, q0, q0 + rows - 1, c, qt, s, acc, &st);
+        keys_vec(kp, vt, Lp, D, P + q0, P + q0 + rows - 1, c, qt, s, acc, &st);
     finish_block(acc, st, rows, q0, Hq, hq, D, out, lse);
 }
 
-// Every chunk c's own-token attention (rows starts[c] .. starts[c] + lens[c] - 1 of q, k, v, out and lse, each chunk
-// on its own: the prefill chunks of one step), on AMX tiles (amx) or zmm registers. Returns 0; -2 when memory runs
-// out. The arguments are checked by the callers.
+// The (chunk, query block) pairs in the order the threads take them: the most keys first (a block sees its prefix and
+// as many own keys as its index times QB), so that the last ones taken are short.
+typedef struct {
+    int64_t keys, chunk, block;
+} block_work;
+
+static int heavier_first(const void *a, const void *b) {
+    const int64_t ka = ((const block_work *)a)->keys, kb = ((const block_work *)b)->keys;
+    return ka < kb ? 1 : ka > kb ? -1 : 0;
+}
+
+// Every chunk c's attention over its own tokens (rows starts[c] .. starts[c] + lens[c] - 1 of q, k, v, out and lse,
+// each chunk on its own: the prefill chunks of one step) and its cached prefix where ``prefix`` gives it one, on AMX
+// tiles (amx) or zmm registers. Returns 0; -2 when memory runs out. The arguments are checked by the callers.
 static int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                              const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
-                             const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads,
-                             int amx) {
-    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)(chunks + 1));  // chunk c's packed K / V from offsets[c]
+                             const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale,
+                             const tm_prefill_prefix *prefix, int threads, int amx) {
+    // chunk c's packed K / V from offsets[c]; its prefix's cache slots from slot_at[c] (prefix_len(c) of them)
+    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)(2 * chunks + 2)), *slot_at = offsets + chunks + 1;
     if (!offsets) return -2;
-    int64_t pairs = 0, most = 0;  // (chunk, query block) pairs; the most blocks of a chunk
-    offsets[0] = 0;
+    int64_t pairs = 0;  // (chunk, query block) pairs
+    offsets[0] = slot_at[0] = 0;
     for (int c = 0; c < chunks; c++) {
-        const int64_t blocks = (lens[c] + QB - 1) / QB;
-        offsets[c + 1] = offsets[c] + 2 * Hkv * ((lens[c] + KB - 1) / KB * KB) * D;
-        pairs += blocks;
-        most = blocks > most ? blocks : most;
+        const int64_t P = prefix_len(prefix, c);
+        offsets[c + 1] = offsets[c] + 2 * Hkv * ((P + lens[c] + KB - 1) / KB * KB) * D;
+        slot_at[c + 1] = slot_at[c] + P;
+        pairs += (lens[c] + QB - 1) / QB;
     }
     uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * (size_t)((offsets[chunks] + 31) / 32 * 32));
-    int64_t *order = malloc(sizeof(int64_t) * (size_t)(2 * pairs));  // (chunk, block), the later blocks first
-    if (!packed || !order) {
+    block_work *order = malloc(sizeof(block_work) * (size_t)pairs);
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(slot_at[chunks] + 1));
+    if (!packed || !order || !slots) {
         free(offsets);
         free(packed);
         free(order);
+        free(slots);
         return -2;
     }
     int64_t n = 0;
-    for (int64_t b = most - 1; b >= 0; b--)  // a block sees as many keys as its index: the heaviest go out first
-        for (int c = 0; c < chunks; c++)
-            if ((lens[c] + QB - 1) / QB > b) {
-                order[2 * n] = c;
-                order[2 * n + 1] = b;
-                n++;
-            }
+    for (int c = 0; c < chunks; c++) {
+        const int64_t P = prefix_len(prefix, c);
+        for (int64_t b = 0; b < (lens[c] + QB - 1) / QB; b++) order[n++] = (block_work){P + (b + 1) * QB, c, b};
+        if (P) {  // the prefix's cache slots, through its block table
+            const int64_t *blocks = prefix->block_tables + prefix->table_rows[c] * prefix->table_stride;
+            for (int64_t t = 0; t < P; t++)
+                slots[slot_at[c] + t] = blocks[t / prefix->block_size] * prefix->block_size + t % prefix->block_size;
+        }
+    }
+    qsort(order, (size_t)pairs, sizeof(block_work), heavier_first);
     const int G = Hq / Hkv;
     const int64_t items = pairs * Hq;
     int failed = 0;
@@ -362,10 +397,10 @@ static int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < (int64_t)chunks * Hkv; i++) {
             const int c = (int)(i / Hkv), h = (int)(i % Hkv);
-            const int64_t Lp = (lens[c] + KB - 1) / KB * KB;
+            const int64_t P = prefix_len(prefix, c), Lp = (P + lens[c] + KB - 1) / KB * KB;
             uint16_t *kp = packed + offsets[c] + 2 * h * Lp * D;
-            pack_head(k + starts[c] * k_stride, k_stride, v + starts[c] * v_stride, v_stride, lens[c], Lp, h, D, kp,
-                      kp + Lp * D);
+            pack_head(k + starts[c] * k_stride, k_stride, v + starts[c] * v_stride, v_stride, lens[c],
+                      P ? (const uint16_t *)prefix->cache : NULL, slots + slot_at[c], P, Hkv, Lp, h, D, kp, kp + Lp * D);
         }
         uint32_t *qt = aligned_alloc(64, (size_t)(QB * D * 2));
         float *s = aligned_alloc(64, sizeof(float) * KB * 16);
@@ -380,12 +415,13 @@ static int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
             if (!qt || !s || !acc) continue;
-            const int64_t c = order[2 * (i / Hq)], b = order[2 * (i / Hq) + 1], start = starts[c];
+            const block_work *work = order + i / Hq;
+            const int64_t c = work->chunk, start = starts[c], P = prefix_len(prefix, (int)c);
             const int hq = (int)(i % Hq), h = hq / G;
-            const int64_t Lp = (lens[c] + KB - 1) / KB * KB;
+            const int64_t Lp = (P + lens[c] + KB - 1) / KB * KB;
             const uint16_t *kp = packed + offsets[c] + 2 * h * Lp * D;
             query_block(q + start * q_stride, q_stride, out + start * Hq * D, lse ? lse + start * Hq : NULL, lens[c],
-                        Hq, hq, D, b * QB, Lp, kp, kp + Lp * D, sm_scale, qt, s, acc, amx);
+                        P, Hq, hq, D, work->block * QB, Lp, kp, kp + Lp * D, sm_scale, qt, s, acc, amx);
         }
 #if defined(TM_PREFILL_AMX)
         if (amx) _tile_release();
@@ -396,31 +432,38 @@ static int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
     }
     free(packed);
     free(order);
+    free(slots);
     free(offsets);
     return failed ? -2 : 0;
 }
 
 // The layouts both builds take: 0 if so, -1 if not (q's rows gathered as pairs: an even q_stride).
-static int prefill_arguments(int64_t q_stride, const int64_t *lens, int chunks, int Hq, int Hkv, int D) {
+static int prefill_arguments(int64_t q_stride, const int64_t *lens, int chunks, int Hq, int Hkv, int D,
+                             const tm_prefill_prefix *prefix) {
     if (D % 32 != 0 || D > 256 || Hkv <= 0 || Hq % Hkv != 0 || chunks <= 0 || q_stride % 2 != 0) return -1;
+    if (prefix && (!prefix->cache || !prefix->block_tables || !prefix->table_rows || !prefix->prefix_lens
+                   || prefix->block_size <= 0))
+        return -1;
     for (int c = 0; c < chunks; c++)
-        if (lens[c] <= 0) return -1;
+        if (lens[c] <= 0 || prefix_len(prefix, c) < 0) return -1;
     return 0;
 }
 #endif
 
-// Every chunk c's own-token attention on AMX tiles (prefill_attention). Returns 0; -1 where this build or host has
+// Every chunk c's attention over its own tokens and its cached prefix (``prefix``: NULL, none) on AMX tiles
+// (prefill_attention). Returns 0; -1 where this build or host has
 // no AMX or the layout is not taken (prefill_arguments); -2 when memory runs out.
 int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                              const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
-                             const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads) {
+                             const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale,
+                             const tm_prefill_prefix *prefix, int threads) {
 #if defined(TM_PREFILL_AMX)
-    if (!tm_amx_available() || prefill_arguments(q_stride, lens, chunks, Hq, Hkv, D) != 0) return -1;
+    if (!tm_amx_available() || prefill_arguments(q_stride, lens, chunks, Hq, Hkv, D, prefix) != 0) return -1;
     return prefill_attention(q, q_stride, k, k_stride, v, v_stride, out, lse, starts, lens, chunks, Hq, Hkv, D,
-                             sm_scale, threads, 1);
+                             sm_scale, prefix, threads, 1);
 #else
     (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)out; (void)lse; (void)starts;
-    (void)lens; (void)chunks; (void)Hq; (void)Hkv; (void)D; (void)sm_scale; (void)threads;
+    (void)lens; (void)chunks; (void)Hq; (void)Hkv; (void)D; (void)sm_scale; (void)prefix; (void)threads;
     return -1;
 #endif
 }
@@ -428,14 +471,15 @@ int tm_prefill_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t
 // The same on zmm registers (AVX512-BF16): -1 where this build has no AVX512-BF16 or the layout is not taken.
 int tm_prefill_attention_avx512(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                                 const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
-                                const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale, int threads) {
+                                const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale,
+                                const tm_prefill_prefix *prefix, int threads) {
 #if defined(TM_PREFILL_VEC)
-    if (prefill_arguments(q_stride, lens, chunks, Hq, Hkv, D) != 0) return -1;
+    if (prefill_arguments(q_stride, lens, chunks, Hq, Hkv, D, prefix) != 0) return -1;
     return prefill_attention(q, q_stride, k, k_stride, v, v_stride, out, lse, starts, lens, chunks, Hq, Hkv, D,
-                             sm_scale, threads, 0);
+                             sm_scale, prefix, threads, 0);
 #else
     (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)out; (void)lse; (void)starts;
-    (void)lens; (void)chunks; (void)Hq; (void)Hkv; (void)D; (void)sm_scale; (void)threads;
+    (void)lens; (void)chunks; (void)Hq; (void)Hkv; (void)D; (void)sm_scale; (void)prefix; (void)threads;
     return -1;
 #endif
 }
