@@ -99,12 +99,12 @@ def exact_over_prefix(q, k_prefix, v_prefix, k, v, scale):
 @pytest.mark.parametrize("kernel", C_KERNELS)
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 32, 16)])
 def test_chunks_over_cached_prefixes_read_through_the_block_table(kernel, hq, hkv, d, block_size):
-    """Chunks after prefixes of 0-140 cached tokens (not multiples of the block or of the kernel's 32 keys), the
-    prefixes on scattered blocks of a paged cache: each chunk's queries see their prefix and their own keys causally,
-    one softmax, against float64."""
+    """Chunks after prefixes of 0-140 cached tokens (none a multiple of the cache's block; prefix and chunk together
+    a whole number of the kernel's 32-key blocks once, a padded one otherwise), the prefixes on scattered blocks of a
+    paged cache: each chunk's queries see their prefix and their own keys causally, one softmax, against float64."""
     gen = torch.Generator().manual_seed(d + block_size)
     chunks = [(0, 20), (20, 33), (53, 1), (54, 16)]  # (first row, length) of the step's rows
-    prefix_lens = [37, 0, 140, 5]
+    prefix_lens = [44, 0, 140, 5]  # 44 + 20: whole blocks of the kernel's 32 keys, no padding
     rows = sum(length for _, length in chunks)
     fused = torch.randn(rows, hq + 2 * hkv, d, generator=gen).bfloat16()
     q, k, v = fused.split([hq, hkv, hkv], dim=1)

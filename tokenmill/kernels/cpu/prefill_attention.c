@@ -46,25 +46,28 @@ static inline int64_t prefix_len(const tm_prefill_prefix *prefix, int c) {
 #define QB 16  // queries a block (the C tiles' 16 columns)
 #define KB 32  // keys a block (two C tiles of S^T; the K dimension of the P V product)
 
-// KV head h's K rows [Lp][D] and V transposed [D][Lp] of a chunk's keys: its P cached tokens (slot t's K at
-// cache + slots[t] * 2 Hkv D, its V Hkv D further; P 0: none), then its L own (k / v rows 0 .. L - 1), zero from
-// P + L to Lp (a multiple of KB): the A tiles of the two products (16 keys x 32 dims; 16 dims x 32 keys) are then plain
-// strided loads.
-static void pack_head(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, int64_t L,
+// Keys t0 .. t0 + KB - 1 of KV head h's K rows [Lp][D] and V transposed [D][Lp] for a chunk: its P cached tokens
+// (slot t's K at cache + slots[t] * 2 Hkv D, its V Hkv D further; P 0: none), then its L own (k / v rows 0 .. L - 1),
+// zero from P + L to Lp (a multiple of KB): the A tiles of the two products (16 keys x 32 dims; 16 dims x 32 keys) are
+// then plain strided loads. A block of KB keys at a time, so that V^T's writes go out a whole line per dim.
+static void pack_keys(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, int64_t L,
                       const uint16_t *cache, const int64_t *slots, int64_t P, int Hkv, int64_t Lp, int h, int D,
-                      uint16_t *kp, uint16_t *vt) {
+                      int64_t t0, uint16_t *kp, uint16_t *vt) {
     const int64_t slot_stride = 2 * (int64_t)Hkv * D;
-    for (int64_t t = 0; t < Lp; t++) {
+    const uint16_t *vr[KB];
+    for (int j = 0; j < KB; j++) {
+        const int64_t t = t0 + j;
         const uint16_t *kr = t < P ? cache + slots[t] * slot_stride + (int64_t)h * D
                              : t < P + L ? k + (t - P) * k_stride + (int64_t)h * D : NULL;
         if (kr)
             memcpy(kp + t * D, kr, (size_t)D * 2);
         else
             memset(kp + t * D, 0, (size_t)D * 2);
-        const uint16_t *vr = t < P ? cache + slots[t] * slot_stride + (int64_t)(Hkv + h) * D
-                             : t < P + L ? v + (t - P) * v_stride + (int64_t)h * D : NULL;
-        for (int d = 0; d < D; d++) vt[d * Lp + t] = vr ? vr[d] : 0;
+        vr[j] = t < P ? cache + slots[t] * slot_stride + (int64_t)(Hkv + h) * D
+                : t < P + L ? v + (t - P) * v_stride + (int64_t)h * D : NULL;
     }
+    for (int d = 0; d < D; d++)
+        for (int j = 0; j < KB; j++) vt[d * Lp + t0 + j] = vr[j] ? vr[j][d] : 0;
 }
 
 // The running maximum a row's probabilities are taken against moves only when a block's maximum passes it by more
@@ -357,15 +360,18 @@ static int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
                              const uint16_t *v, int64_t v_stride, uint16_t *out, float *lse, const int64_t *starts,
                              const int64_t *lens, int chunks, int Hq, int Hkv, int D, float sm_scale,
                              const tm_prefill_prefix *prefix, int threads, int amx) {
-    // chunk c's packed K / V from offsets[c]; its prefix's cache slots from slot_at[c] (prefix_len(c) of them)
-    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)(2 * chunks + 2)), *slot_at = offsets + chunks + 1;
+    // chunk c's packed K / V from offsets[c]; its prefix's cache slots from slot_at[c] (prefix_len(c) of them); its
+    // key blocks (of KB keys) from key_at[c]
+    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)(3 * chunks + 3));
     if (!offsets) return -2;
+    int64_t *slot_at = offsets + chunks + 1, *key_at = slot_at + chunks + 1;
     int64_t pairs = 0;  // (chunk, query block) pairs
-    offsets[0] = slot_at[0] = 0;
+    offsets[0] = slot_at[0] = key_at[0] = 0;
     for (int c = 0; c < chunks; c++) {
-        const int64_t P = prefix_len(prefix, c);
-        offsets[c + 1] = offsets[c] + 2 * Hkv * ((P + lens[c] + KB - 1) / KB * KB) * D;
+        const int64_t P = prefix_len(prefix, c), blocks = (P + lens[c] + KB - 1) / KB;
+        offsets[c + 1] = offsets[c] + 2 * Hkv * blocks * KB * D;
         slot_at[c + 1] = slot_at[c] + P;
+        key_at[c + 1] = key_at[c] + blocks;
         pairs += (lens[c] + QB - 1) / QB;
     }
     uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * (size_t)((offsets[chunks] + 31) / 32 * 32));
@@ -394,13 +400,18 @@ static int prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
+        // the packing: (chunk, head, block of KB keys) items, chunk c's from key_at[c] * Hkv
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < (int64_t)chunks * Hkv; i++) {
-            const int c = (int)(i / Hkv), h = (int)(i % Hkv);
-            const int64_t P = prefix_len(prefix, c), Lp = (P + lens[c] + KB - 1) / KB * KB;
+        for (int64_t i = 0; i < key_at[chunks] * Hkv; i++) {
+            int c = 0;
+            while (key_at[c + 1] * Hkv <= i) c++;
+            const int64_t local = i - key_at[c] * Hkv, blocks = key_at[c + 1] - key_at[c];
+            const int h = (int)(local / blocks);
+            const int64_t P = prefix_len(prefix, c), Lp = blocks * KB;
             uint16_t *kp = packed + offsets[c] + 2 * h * Lp * D;
-            pack_head(k + starts[c] * k_stride, k_stride, v + starts[c] * v_stride, v_stride, lens[c],
-                      P ? (const uint16_t *)prefix->cache : NULL, slots + slot_at[c], P, Hkv, Lp, h, D, kp, kp + Lp * D);
+            pack_keys(k + starts[c] * k_stride, k_stride, v + starts[c] * v_stride, v_stride, lens[c],
+                      P ? (const uint16_t *)prefix->cache : NULL, slots + slot_at[c], P, Hkv, Lp, h, D,
+                      local % blocks * KB, kp, kp + Lp * D);
         }
         uint32_t *qt = aligned_alloc(64, (size_t)(QB * D * 2));
         float *s = aligned_alloc(64, sizeof(float) * KB * 16);
