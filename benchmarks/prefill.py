@@ -1,7 +1,7 @@
 """Time to first token of one long prompt on the offline engine, and where the prefill's time goes.
 
     python benchmarks/prefill.py [--prompt-len 2000] [--batch 1] [--repeats 3] [--dtype auto] [--settings sdpa,amx]
-        [--out benchmarks/results/prefill.json]
+        [--cpu-layer-stack] [--out benchmarks/results/prefill.json]
 
 For each setting of the prefill attention (``sdpa``: PyTorch's flash SDPA over the own tokens; ``amx`` / ``avx512``:
 kernels/cpu/prefill_attention.c on AMX tiles / AVX512-BF16 registers, where the host has them and the model is bf16;
@@ -12,6 +12,10 @@ what tokenmill ran before flash) it times ``repeats`` prefills of ``--batch`` ra
 prefill plus one sample) on the default model, in one run, alternating the settings, then takes one torch profile
 per setting: the seconds in attention (the engine's attention op, inclusive) and in matrix products. Writes JSON
 (the raw timings and profile totals) to ``--out``.
+
+The engine runs without the CPU layer stack (models/cpu_stack.py) unless ``--cpu-layer-stack``: the stack takes the
+C own-token kernels' steps and not SDPA's, so the settings would differ by more than their attention, and its one C
+call a step hides attention and GEMMs from the profiler (the profile columns are then 0).
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="auto", help="the engine's compute dtype (auto: measured at start-up)")
     parser.add_argument("--settings", default="sdpa,amx", help=f"comma-separated, of {', '.join(SETTINGS)}")
+    parser.add_argument("--cpu-layer-stack", action="store_true", help="the engine's CPU layer stack on (see above)")
     parser.add_argument("--out", default="benchmarks/results/prefill.json")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -81,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown settings {unknown}: choose from {list(SETTINGS)}")
 
     # No prefix caching: each setting prefills the same prompts, which would otherwise hit the cache.
-    llm = LLM(max_model_len=max(2048, args.prompt_len + 8), dtype=args.dtype, enable_prefix_caching=False)
+    llm = LLM(max_model_len=max(2048, args.prompt_len + 8), dtype=args.dtype, enable_prefix_caching=False,
+              cpu_layer_stack=args.cpu_layer_stack)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, llm.tokenizer.vocab_size, (args.repeats + 2, args.batch, args.prompt_len),
                             generator=gen).tolist()
@@ -97,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": str(llm.engine.runner.model.embed_tokens.weight.dtype),
         "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "batch": args.batch,
+        "cpu_layer_stack": args.cpu_layer_stack,
         "seconds": times, "median_seconds": {s: statistics.median(t) for s, t in times.items()},
         "profiles": profiles,
     }

@@ -238,6 +238,25 @@ def test_the_paged_probe_runs_what_serving_runs(monkeypatch):
     torch.testing.assert_close(captured[0].double(), want, atol=1.6e-2, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "paged"] + [k for k in C_KERNELS if RUNS[k]])
+def test_the_prefixed_probe_runs_what_serving_runs(monkeypatch, restore_kernel, kernel):
+    """The probe's chunk after a cached prefix goes through the attention op as serving runs it, each kernel's way:
+    its output is the chunk's causal attention over prefix and itself, to bf16 precision."""
+    gen = torch.Generator().manual_seed(4)
+    cached, length = 40, 30
+    qkv = torch.randn(cached + length, 9 + 6, 64, generator=gen).bfloat16()
+    q, k, v = qkv.split([9, 3, 3], dim=1)
+    captured = []
+    real = cpu_attention.paged_attention_cpu
+    monkeypatch.setattr(prefill_attention, "paged_attention_cpu",
+                        lambda *a, **kw: captured.append((cpu_attention.prefill_kernel(), real(*a, **kw))))
+    prefill_attention._prefixed_work(kernel, qkv, cached, 9, 3, 64, 16)()
+    want, _ = exact_over_prefix(q[cached:], k[:cached], v[:cached], k[cached:], v[cached:], 64 ** -0.5)
+    (ran, got), = captured
+    assert ran == kernel and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, atol=1.6e-2, rtol=1.6e-2)
+
+
 @pytest.mark.parametrize("paged_over_best,expected", [([0.5, 0.6], "paged"), ([0.97, 0.98], "sdpa")])
 def test_the_paged_kernel_only_where_clearly_faster(monkeypatch, paged_over_best, expected):
     monkeypatch.setattr(prefill_attention, "c_kernel_applies", lambda *a: False)

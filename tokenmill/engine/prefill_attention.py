@@ -3,8 +3,10 @@ tokens; the kernel of kernels/cpu/prefill_attention.c for a model that computes 
 the build and the host have AMX) or in zmm registers ("avx512": where the build has AVX512-BF16); or "paged", the
 cache kernel of kernels/cpu/paged_attention.c with the chunk as a causal segment of its sequence (a bf16 model over a
 bf16 cache). Settled at start-up by timing each candidate against the best so far at the model's head layout over a
-busy step's chunk and a long prompt's; SDPA (what always ran before) stays unless another is clearly faster, or when
-the machine is too noisy to tell.
+busy step's chunk, a long prompt's and a chunk after a cached prefix (a prefix-cache hit: the own-token kernels read
+the prefix themselves, "paged" covers it in its causal segment, SDPA's own tokens are merged with the cache kernel's
+pass over it); SDPA (what always ran before) stays unless another is clearly faster, or when the machine is too noisy
+to tell.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import torch
 
 from tokenmill.config import ConfigError
 from tokenmill.engine.probe import Clock, Comparison, compare
-from tokenmill.kernels.cpu_attention import c_prefill_attention, own_tokens_attention, paged_prefill_applies, \
-    prefill_kernel, set_prefill_kernel, step_arguments, step_attention_bf16
+from tokenmill.kernels.cpu_attention import c_prefill_attention, own_tokens_attention, paged_attention_cpu, \
+    paged_prefill_applies, prefill_kernel, set_prefill_kernel, step_arguments, step_attention_bf16
+from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kvcache.cache import STORAGE_DTYPES
 
 log = logging.getLogger(__name__)
@@ -26,8 +29,10 @@ log = logging.getLogger(__name__)
 # Another kernel replaces the one chosen so far only when it is at least this much faster (time(old) / time(new)).
 MIN_SPEEDUP = 1.05
 PROBE_BUDGET_S = 1.5
-# The probe's chunks: a 256-token prompt (a busy step's) and a 1,024-token one.
+# The probe's chunks: a 256-token prompt (a busy step's) and a 1,024-token one; and (cached tokens, chunk tokens) of a
+# chunk after a cached prefix.
 PROBE_LENGTHS = (256, 1024)
+PROBE_PREFIXED = (768, 256)
 
 
 def choose_prefill_attention(mode: str, device: str, backend: str, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -77,8 +82,8 @@ def c_kernel_applies(kernel: str, num_heads: int, num_kv_heads: int, head_dim: i
 def time_kernels(a: str, b: str, num_heads: int, num_kv_heads: int, head_dim: int, threads: int,
                  block_size: int = 16, clock: Clock = time.perf_counter,
                  budget_s: float = PROBE_BUDGET_S) -> Comparison:
-    """time(b) / time(a) of one chunk's attention per PROBE_LENGTHS on ``threads`` threads, leaving the kernel choice
-    and torch's thread count as they were."""
+    """time(b) / time(a) of one chunk's attention per PROBE_LENGTHS and after PROBE_PREFIXED's cached tokens, on
+    ``threads`` threads, leaving the kernel choice and torch's thread count as they were."""
     gen = torch.Generator().manual_seed(0)
     chunks = [torch.randn(length, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
               for length in PROBE_LENGTHS]
@@ -87,6 +92,10 @@ def time_kernels(a: str, b: str, num_heads: int, num_kv_heads: int, head_dim: in
     try:
         cases = [(_chunk_work(a, qkv, num_heads, num_kv_heads, head_dim, block_size),
                   _chunk_work(b, qkv, num_heads, num_kv_heads, head_dim, block_size)) for qkv in chunks]
+        cached, own = PROBE_PREFIXED
+        qkv = torch.randn(cached + own, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+        cases.append((_prefixed_work(a, qkv, cached, num_heads, num_kv_heads, head_dim, block_size),
+                      _prefixed_work(b, qkv, cached, num_heads, num_kv_heads, head_dim, block_size)))
         for work_a, work_b in cases:
             work_a(), work_b()  # warm-up
         return compare(cases, clock=clock, budget_s=budget_s)
@@ -118,3 +127,25 @@ def _chunk_work(kernel: str, qkv: torch.Tensor, num_heads: int, num_kv_heads: in
     def paged(keep=(tables, segments)) -> None:
         step_attention_bf16(q, data, None, arguments, sm_scale)
     return paged
+
+
+def _prefixed_work(kernel: str, qkv: torch.Tensor, cached: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                   block_size: int) -> Callable[[], None]:
+    """The attention of a chunk after ``cached`` tokens already in the cache (qkv [cached + L, Hq + 2 Hkv, D] bf16:
+    the whole sequence's; the chunk is its last L rows), as serving runs it under ``kernel``: the attention op over a
+    cache holding the prefix and the chunk's K/V (the op writes the chunk's there first, whatever the kernel)."""
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    total, length = qkv.shape[0], qkv.shape[0] - cached
+    blocks = -(-total // block_size)
+    data = torch.zeros(blocks + 1, block_size, 2 * num_kv_heads, head_dim, dtype=torch.bfloat16)
+    data[:blocks].view(-1, 2 * num_kv_heads, head_dim)[:total] = torch.cat([k, v], dim=1)
+    meta = AttentionMetadata(slot_mapping=torch.arange(cached, total), query_start_loc=[0, length], seq_lens=[total],
+                             block_tables=torch.arange(blocks, dtype=torch.int64)[None], block_size=block_size,
+                             decode_indices=[], prefill_indices=[0])
+    q, k, v = q[cached:], k[cached:], v[cached:]
+    sm_scale = head_dim ** -0.5
+
+    def chunk() -> None:
+        set_prefill_kernel(kernel)
+        paged_attention_cpu(q, k, v, data, None, meta, sm_scale)
+    return chunk
