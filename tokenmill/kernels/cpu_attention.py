@@ -172,6 +172,13 @@ class PrefillPrefix(ctypes.Structure):
                 ("block_size", ctypes.c_int64), ("table_rows", ctypes.c_void_p), ("prefix_lens", ctypes.c_void_p)]
 
 
+def chunk_runs(meta: AttentionMetadata) -> list[tuple[int, int]]:
+    """(first row, rows) of each prefill chunk, in ``meta.prefill_indices`` order (built once a step)."""
+    starts = meta.query_start_loc
+    return meta.derived("cpu_chunk_runs", lambda: [(starts[i], starts[i + 1] - starts[i])
+                                                   for i in meta.prefill_indices])
+
+
 def chunk_prefixes(meta: AttentionMetadata) -> torch.Tensor | None:
     """[2, chunks] int64 (built once a step): each prefill chunk's block-table row and cached prefix length, in
     ``meta.prefill_indices`` order; None where no chunk has a cached prefix."""
@@ -255,9 +262,7 @@ def prefill_with_prefixes(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
         out = step_attention_bf16(q, data, None, arguments, sm_scale)
     else:
         out = torch.empty(q.shape, dtype=torch.bfloat16)
-    chunks = meta.derived("cpu_chunk_runs", lambda: [
-        (meta.query_start_loc[i], meta.query_start_loc[i + 1] - meta.query_start_loc[i]) for i in meta.prefill_indices])
-    prefixes = chunk_prefixes(meta)
+    chunks, prefixes = chunk_runs(meta), chunk_prefixes(meta)
     prefix = PrefillPrefix(data.data_ptr(), tables.data_ptr(), tables.stride(0), data.shape[1], prefixes[0].data_ptr(),
                            prefixes[1].data_ptr()) if prefixes is not None else None
     done = c_prefill_attention(_prefill_kernel, q, k_new, v_new, sm_scale, chunks, out, prefix)

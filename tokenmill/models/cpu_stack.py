@@ -23,8 +23,8 @@ import logging
 
 import torch
 
-from tokenmill.kernels.cpu_attention import (_segments, chunk_prefixes, paged_prefill_applies, prefill_kernel,
-                                             step_arguments)
+from tokenmill.kernels.cpu_attention import (_segments, chunk_prefixes, chunk_runs, paged_prefill_applies,
+                                             prefill_kernel, step_arguments)
 from tokenmill.kernels.cpu_native import library
 from tokenmill.kernels.metadata import AttentionMetadata
 from tokenmill.kernels.quant_linear import CPUQuantMatmul
@@ -200,10 +200,8 @@ class CPUDecoderStack:
         if meta.prefill_indices and not causal:
             if kernel not in self.own_kernels:
                 return None
-            chunks = meta.derived("cpu_chunk_runs", lambda: [
-                (meta.query_start_loc[i], meta.query_start_loc[i + 1] - meta.query_start_loc[i])
-                for i in meta.prefill_indices])
-            own = meta.derived("cpu_own_chunks", lambda: torch.tensor(chunks, dtype=torch.int64).t().contiguous())
+            own = meta.derived("cpu_own_chunks",  # [2, chunks]: first rows, rows
+                               lambda: torch.tensor(chunk_runs(meta), dtype=torch.int64).t().contiguous())
             prefixes = chunk_prefixes(meta)
         # the same per-step derivations (and so the same cached objects) as the attention op's: with an own-token
         # kernel, the segments are the decodes alone
