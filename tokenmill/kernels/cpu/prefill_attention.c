@@ -9,8 +9,8 @@
 //
 // A chunk with a cached prefix (``prefix``, not NULL, gives it P > 0 tokens) has those P tokens' K / V read from the
 // paged cache through its block table, before its own: its query i sees the prefix and its own keys 0 .. i, in one
-// softmax (no merge of two partial ones), at the transposed form's speed, where the decode kernel's rows over the
-// prefix took ~4x longer a key.
+// softmax (no merge of two partial ones), at the transposed form's speed: the decode kernel's rows (made for one query
+// a KV head) took several times longer a key over it (BENCHMARKS.md, issue 24, "Chunks over a cached prefix").
 //
 // How, in transposed form: each KV head's K rows are copied (padded with zeros to a multiple of 32 keys) and its V
 // transposed ([D][keys]), so that both products' A tiles are plain strided loads. Per (query head, block of 16
@@ -342,8 +342,8 @@ static void query_block(const uint16_t *q, int64_t q_stride, uint16_t *out, floa
     finish_block(acc, st, rows, q0, Hq, hq, D, out, lse);
 }
 
-// The (chunk, query block) pairs in the order the threads take them: the most keys first (a block sees its prefix and
-// as many own keys as its index times QB), so that the last ones taken are short.
+// The (chunk, query block) pairs in the order the threads take them: the most keys first (block b of a chunk sees its
+// prefix and up to (b + 1) QB own keys), so that the last ones taken are short.
 typedef struct {
     int64_t keys, chunk, block;
 } block_work;
