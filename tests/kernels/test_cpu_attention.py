@@ -172,6 +172,25 @@ def test_a_decode_step_in_bf16_rounds_the_float32_result(kv_dtype, window, softc
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
 
 
+def test_a_bf16_step_of_the_decodes_beside_chunks_leaves_the_chunks_rows_zero():
+    """The decodes of a step with prefill chunks (the chunks' rows another kernel's to fill): the decodes' rows are the
+    float32 call's rounded, bit for bit, and the chunks' rows zero, though only the decodes' are computed."""
+    hq, hkv, d = 9, 3, 64
+    batch = paged_batch([(15, 1), (37, 20), (0, 1), (100, 1), (5, 9)], hq, hkv, d, "bf16", 16, num_blocks=256,
+                        q_dtype=torch.bfloat16, seed=11)
+    write_kv(batch.data, batch.scales, batch.new_kv, batch.meta.slot_mapping)
+    segments = cpu_attention._segments(batch.meta, 0, with_prefills=False)
+    tables = batch.meta.block_tables.long().contiguous()
+    got = cpu_attention.step_attention_bf16(batch.q, batch.data, None, cpu_attention.step_arguments(tables, segments),
+                                            d ** -0.5)
+    want, _ = cpu_attention.cache_attention(batch.q, batch.data, None, tables, segments, d ** -0.5)
+    decodes = torch.zeros(got.shape[0], dtype=torch.bool)
+    for row in segments[1].tolist():
+        decodes[row] = True
+    assert decodes.sum() == 3 and torch.equal(got[decodes], want[decodes].bfloat16())
+    assert (got[~decodes] == 0).all()
+
+
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (333, 3.0)])
 def test_bf16_path_split_along_the_cache(window, softcap):
     """Long bf16 decodes split into parts whose states are merged (the bf16 path's accumulators are kept in a

@@ -896,14 +896,32 @@ int tm_paged_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, 
                             const int32_t *kv_len, const int32_t *causal, int num_segments, int Hq, int Hkv, int D,
                             int block_size, float sm_scale, float softcap, int threads) {
     const int64_t width = (int64_t)Hq * D, n = rows * width;
+    // q widened, then the float32 output: only the segments' rows of either are touched (the decodes beside a step's
+    // prefill chunks, whose rows another kernel fills, are a few of its rows: widening, zeroing and rounding them all
+    // cost more than the decodes' attention)
     float *buffer = malloc(sizeof(float) * (size_t)(2 * n));
-    if (!buffer) return -1;
-    memset(buffer + n, 0, sizeof(float) * (size_t)n);  // rows no segment covers come out zero, not garbage
-    for (int64_t t = 0; t < rows; t++) tm_widen_bf16(q + t * q_stride, buffer + t * width, width);
+    uint8_t *covered = calloc((size_t)rows + 1, 1);
+    if (!buffer || !covered) {
+        free(buffer);
+        free(covered);
+        return -1;
+    }
+    for (int s = 0; s < num_segments; s++)
+        for (int64_t t = q_start[s]; t < (int64_t)q_start[s] + q_len[s]; t++) {
+            tm_widen_bf16(q + t * q_stride, buffer + t * width, width);
+            covered[t] = 1;
+        }
     const int code = attention(buffer, buffer + n, NULL, cache, scales, kind, block_tables, table_stride, req, q_start,
                                q_len, kv_first, kv_len, causal, num_segments, Hq, Hkv, D, block_size, sm_scale, softcap,
                                1, threads);
-    if (code == 0) tm_round_bf16(buffer + n, out, n);
+    if (code == 0)
+        for (int64_t t = 0; t < rows; t++) {
+            if (covered[t])  // every covered row's output is written whole (a query that sees no token: zeros)
+                tm_round_bf16(buffer + n + t * width, out + t * width, width);
+            else  // rows no segment covers come out zero, not garbage
+                memset(out + t * width, 0, sizeof(uint16_t) * (size_t)width);
+        }
     free(buffer);
+    free(covered);
     return code;
 }
