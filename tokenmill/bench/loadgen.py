@@ -68,7 +68,7 @@ def _body(spec: LoadSpec, prompt: Any, detokenize: Callable[[list[int]], str] | 
     return "/completions", {**common, "prompt": prompt}
 
 
-def _error_message(body: str) -> str:
+def error_message(body: str) -> str:
     """An OpenAI error body's message, else the body's start."""
     try:
         return str(json.loads(body)["error"]["message"])
@@ -100,7 +100,7 @@ async def one_request(client: httpx.AsyncClient, spec: LoadSpec, prompt: Any,
         async with client.stream("POST", spec.base_url.rstrip("/") + path, json=body) as response:
             if response.status_code != 200:
                 await response.aread()
-                result.error, result.detail = f"HTTP {response.status_code}", _error_message(response.text)
+                result.error, result.detail = f"HTTP {response.status_code}", error_message(response.text)
                 return result
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):

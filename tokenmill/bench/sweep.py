@@ -14,8 +14,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.loadgen import (LoadSpec, dataset_prompts, normalize_base_url, random_prompts, run_level,
-                                     scrape_metrics, shared_prefix_prompts)
+from tokenmill.bench.loadgen import (LoadSpec, dataset_prompts, error_message, normalize_base_url, random_prompts,
+                                     run_level, scrape_metrics, shared_prefix_prompts)
 from tokenmill.bench.copy_texts import copy_prompts
 from tokenmill.bench.report import markdown_table, write_plots
 from tokenmill.bench.stats import RequestResult, summarize
@@ -147,14 +147,6 @@ def run_sweep(settings: dict) -> dict:
     return report
 
 
-def _error_message(response) -> str:
-    """An OpenAI-shaped error body's message, else the body's first 200 characters."""
-    try:
-        return response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return response.text[:200]
-
-
 def _settings(args: argparse.Namespace) -> dict:
     settings = dict(DEFAULTS)
     if args.config:
@@ -173,7 +165,7 @@ def _settings(args: argparse.Namespace) -> dict:
             response = httpx.get(url, headers=headers, timeout=10)
             if response.status_code != 200:  # e.g. 503 while the model loads (wait for /ready), 401 a wrong key
                 raise BenchError(f"cannot list the models at {url}: HTTP {response.status_code}: "
-                                 f"{_error_message(response)}")
+                                 f"{error_message(response.text)}")
             settings["model"] = response.json()["data"][0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
             raise BenchError(f"cannot list the models at {url} (pass --model, or check --base-url): "
