@@ -117,16 +117,23 @@ def _chunk_work(kernel: str, qkv: torch.Tensor, num_heads: int, num_kv_heads: in
             own_tokens_attention(q, k, v, sm_scale)
         return own_tokens
     length = q.shape[0]
-    blocks = -(-length // block_size)
-    data = torch.zeros(blocks + 1, block_size, 2 * num_kv_heads, head_dim, dtype=torch.bfloat16)
-    data[:blocks].view(-1, 2 * num_kv_heads, head_dim)[:length] = torch.cat([k, v], dim=1)
-    tables = torch.arange(blocks, dtype=torch.int64)[None]
+    data, tables = _cache_holding(k, v, block_size)
     segments = torch.tensor([[0], [0], [length], [0], [length], [1]], dtype=torch.int32)
     arguments = step_arguments(tables, segments)  # raw pointers: tables and segments must outlive the closure
 
     def paged(keep=(tables, segments)) -> None:
         step_attention_bf16(q, data, None, arguments, sm_scale)
     return paged
+
+
+def _cache_holding(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 paged cache holding one sequence's k / v [L, Hkv, D] on blocks 0, 1, ... (and a null block after them),
+    and its block table [1, blocks] int64."""
+    length, num_kv_heads, head_dim = k.shape
+    blocks = -(-length // block_size)
+    data = torch.zeros(blocks + 1, block_size, 2 * num_kv_heads, head_dim, dtype=torch.bfloat16)
+    data[:blocks].view(-1, 2 * num_kv_heads, head_dim)[:length] = torch.cat([k, v], dim=1)
+    return data, torch.arange(blocks, dtype=torch.int64)[None]
 
 
 def _prefixed_work(kernel: str, qkv: torch.Tensor, cached: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -136,12 +143,9 @@ def _prefixed_work(kernel: str, qkv: torch.Tensor, cached: int, num_heads: int, 
     cache holding the prefix and the chunk's K/V (the op writes the chunk's there first, whatever the kernel)."""
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     total, length = qkv.shape[0], qkv.shape[0] - cached
-    blocks = -(-total // block_size)
-    data = torch.zeros(blocks + 1, block_size, 2 * num_kv_heads, head_dim, dtype=torch.bfloat16)
-    data[:blocks].view(-1, 2 * num_kv_heads, head_dim)[:total] = torch.cat([k, v], dim=1)
+    data, tables = _cache_holding(k, v, block_size)
     meta = AttentionMetadata(slot_mapping=torch.arange(cached, total), query_start_loc=[0, length], seq_lens=[total],
-                             block_tables=torch.arange(blocks, dtype=torch.int64)[None], block_size=block_size,
-                             decode_indices=[], prefill_indices=[0])
+                             block_tables=tables, block_size=block_size, decode_indices=[], prefill_indices=[0])
     q, k, v = q[cached:], k[cached:], v[cached:]
     sm_scale = head_dim ** -0.5
 
