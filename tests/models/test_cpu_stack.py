@@ -89,7 +89,7 @@ def test_stack_matches_the_model_run_eagerly(tmp_path, smollm_llm, arch, head_di
         taken.clear()
         got = teacher_forced_logits(stacked.engine.runner.model, stacked.engine.runner.kv_cache, ids, chunk)
         want = teacher_forced_logits(eager.engine.runner.model, eager.engine.runner.kv_cache, ids, chunk)
-        # every step: under an own-token kernel, chunks over a cached prefix merged with it
+        # every step: under an own-token kernel, chunks over a cached prefix too (the kernel reads the prefix)
         assert taken and all(taken), "the stack left a step to the model"
         # the same kernels in the same order: only the norms' float sums may round differently (1 bf16 ulp, now and
         # then, carried on)
