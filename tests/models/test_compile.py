@@ -42,3 +42,28 @@ def test_compiled_decoder_matches_eager_and_never_compiles_after_warm_up(tmp_pat
     hits_before = counters["aot_autograd"]["autograd_cache_hit"]
     LLM(model=str(model_dir), enforce_eager=False, compile_cache_dir=str(cache), **ENGINE)
     assert counters["aot_autograd"]["autograd_cache_hit"] - hits_before == 2
+
+
+def test_processes_generating_code_for_different_isas_keep_separate_caches(tmp_path):
+    """Inductor's cache key leaves out the vector ISA it generates for: a process held to AVX2 and an AVX-512 one
+    sharing a directory ran each other's code (heap corruption). Each gets its own subdirectory, named for the ISA
+    inductor picks in that process."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; from torch._inductor.cpu_vec_isa import pick_vec_isa; "
+              "from tokenmill.models.compile import use_cache_dir; "
+              "print(use_cache_dir(sys.argv[1]).name, str(pick_vec_isa() or 'scalar'))")
+
+    def cache_of(**env):
+        done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env={**os.environ, **env},
+                              capture_output=True, text=True, check=True)
+        return done.stdout.split(maxsplit=1)
+
+    host_dir, host_isa = cache_of()
+    generic_dir, generic_isa = cache_of(ATEN_CPU_CAPABILITY="default")
+    assert (tmp_path / host_dir).is_dir() and (tmp_path / generic_dir).is_dir()
+    assert host_dir.startswith("isa-") and host_isa.split()[0] in host_dir
+    # "default": ATen's generic level, where inductor generates no vector code
+    assert generic_isa.strip() == "scalar" and generic_dir == "isa-scalar" and host_dir != generic_dir

@@ -10,13 +10,17 @@ both, so serving never compiles; past warm-up a call that would need a new graph
 (``eager_on_recompile``) rather than stalling every request behind a compile, and only the guards that choose
 between the two graphs are evaluated (``skip_guard_eval_unsafe``: torch's name for "warmed up on every input kind").
 
-Artifacts: inductor's FX-graph and AOT caches live in ``cache_dir``, so a restart reuses the generated code (dynamo
-still traces, which takes seconds, not minutes).
+Artifacts: inductor's FX-graph and AOT caches live in ``cache_dir``, in a subdirectory per vector ISA inductor generates
+code for, so a restart reuses the generated code (dynamo still traces, which takes seconds, not minutes). Inductor's
+cache key leaves that ISA out: a process held to AVX2 (``ATEN_CPU_CAPABILITY=avx2``) and an AVX-512 one sharing a
+directory loaded each other's graphs, and the 8-lane code run as the 16-lane build's corrupted the heap (a tiny
+float32 model, 2026-12-07); a cache volume moved between hosts of different ISAs would do the same.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -25,9 +29,23 @@ import torch
 WARM_UP_TOKENS = (1, 2)
 
 
+def code_isa() -> str:
+    """The vector ISA inductor generates this process's CPU code for ("avx512-avx512-vnni", "avx2", "scalar"...), as
+    it picks it (the host's, or less where ATEN_CPU_CAPABILITY says so)."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        isa = pick_vec_isa()
+        name = str(isa) if isa else "scalar"
+    except (ImportError, AttributeError):  # a torch that moved it: torch's own dispatch level says as much
+        name = torch.backends.cpu.get_cpu_capability()
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "scalar"
+
+
 def use_cache_dir(cache_dir: str | os.PathLike) -> Path:
-    """Point inductor's on-disk caches at ``cache_dir`` (created), before anything compiles."""
-    path = Path(cache_dir).expanduser()
+    """Point inductor's on-disk caches at ``cache_dir``'s subdirectory for this process's vector ISA (created), before
+    anything compiles; returns it."""
+    path = Path(cache_dir).expanduser() / f"isa-{code_isa()}"
     path.mkdir(parents=True, exist_ok=True)
     import torch._inductor.config as inductor_config
 
