@@ -1,6 +1,7 @@
 """The layer stack in one C call (models/cpu_stack.py, kernels/cpu/decoder.c) against the same model run eagerly
 (models/llama.py's layers, op by op, with the same C kernels): teacher-forced logits through decodes and the "paged"
-prefill kernel's chunks, on a tiny Llama and a tiny Qwen2 (random q/k/v biases), int4 weights, bf16 cache; which
+prefill kernel's chunks, on a tiny Llama and a tiny Qwen2 (random q/k/v biases), int4 weights, bf16 cache (a float32
+model's decodes over a bf16 or float32 cache too); which
 models and steps it takes and which it leaves to the model; and its errors."""
 
 import pytest
@@ -126,16 +127,55 @@ def test_generation_through_the_stack_and_the_steps_it_leaves(tmp_path, smollm_l
             assert abs(a.logprobs[i][0] - b.logprobs[i][0]) < 0.05  # (the sampled token's logprob, top candidates)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp32"])
+def test_a_float32_model_decodes_on_the_stack_and_leaves_it_its_prompts(tmp_path, smollm_llm, kv_cache_dtype):
+    """A float32 model (the dtype start-up settles on hosts without AVX512-BF16 or AMX) over a bf16 cache (rounded as
+    it is written) or a float32 one: every decode on the stack, against the model run eagerly (the same kernels,
+    float32 norms and adds: only their sums' order differs); steps with prefill chunks stay the model's (the own-token
+    prefill kernels are bf16)."""
+    make_llama_checkpoint(tmp_path, smollm_llm, arch="qwen2")
+    engine = {**ENGINE, "dtype": "float32", "kv_cache_dtype": kv_cache_dtype}
+    stacked = LLM(model=str(tmp_path), **engine)
+    eager = LLM(model=str(tmp_path), enforce_eager=True, cpu_layer_stack=False, **engine)
+    stack = stacked.engine.runner.model.cpu_stack
+    assert stack is not None and stacked.engine.runner.kv_cache.data[0].dtype is \
+        {"bf16": torch.bfloat16, "fp32": torch.float32}[kv_cache_dtype]
+    prefills = []
+    taken = counting(stack, prefills)
+    ids = torch.randint(0, 1000, (23,), generator=torch.Generator().manual_seed(2)).tolist()
+    for chunk in (1, 5):  # every position a decode; chunks of 5 over a cached prefix (the model's)
+        taken.clear(), prefills.clear()
+        got = teacher_forced_logits(stacked.engine.runner.model, stacked.engine.runner.kv_cache, ids, chunk)
+        want = teacher_forced_logits(eager.engine.runner.model, eager.engine.runner.kv_cache, ids, chunk)
+        assert taken == [not p for p in prefills] and (chunk == 1) == all(taken)
+        torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
+    # served generations: decodes on the stack beside the model's prefill steps, the tokens the graph alone makes
+    plain = LLM(model=str(tmp_path), enforce_eager=False, cpu_layer_stack=False, **engine)
+    prompts = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (2, 11, 19)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    taken.clear()
+    got, want = stacked.generate(prompts, params), plain.generate(prompts, params)
+    assert any(taken)
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x[0] - y[0]) < 1e-3
+
+
 def test_models_and_caches_it_leaves_to_the_model(tmp_path, smollm_llm):
     make_llama_checkpoint(tmp_path, smollm_llm)
-    fp32 = LLM(model=str(tmp_path), **{**ENGINE, "dtype": "float32", "kv_cache_dtype": "fp32"})
-    assert fp32.engine.runner.model.cpu_stack is None  # float32 norms and activations
+    fp16 = LLM(model=str(tmp_path), **{**ENGINE, "dtype": "float16", "kv_cache_dtype": "fp16"})
+    assert fp16.engine.runner.model.cpu_stack is None  # float16 norms and activations
     fp8 = LLM(model=str(tmp_path), **{**ENGINE, "kv_cache_dtype": "fp8"})
     stack = fp8.engine.runner.model.cpu_stack
     assert stack is not None
     taken = counting(stack)
     out = fp8.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4 and taken and not any(taken)  # an fp8 cache: every step the model's
+    f32_fp8 = LLM(model=str(tmp_path), **{**ENGINE, "dtype": "float32", "kv_cache_dtype": "fp8"})
+    taken = counting(f32_fp8.engine.runner.model.cpu_stack)
+    f32_fp8.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert taken and not any(taken)
     model = fp8.engine.runner.model
     model.layers[1].post_attention_layernorm.eps = 1e-6  # decoder.c takes one eps for every norm
     assert CPUDecoderStack.build(model) is None

@@ -4,16 +4,17 @@ Run from the compiled graph, each layer of a step costs four custom-op dispatche
 on the main thread while the OpenMP workers spin at the next parallel region's edge (~20% of the main thread's time
 at 32 decodes of SmolLM2 on two cores). ``CPUDecoderStack`` runs the same C kernels back to back from C instead.
 
-What qualifies (``CPUDecoderStack.build`` logs why a model does not): one rank, bf16, every layer models/llama.py's
-DecoderLayer without Gemma's norms, with a SwiGLU MLP and attention with no q/k norms, sinks, window or soft-cap, every
-projection a QuantLinear on the interleaved C kernel (kernels/quant_linear.py) with no input permutation, bf16 norms
-of one eps, and a bf16 KV cache in one group. A step qualifies when its attention is the C kernels', in one call each,
-as kernels/cpu_attention.py's ``paged_attention_cpu`` would run it: decodes through the paged kernel, and prefill chunks
-through the settled prefill kernel: "paged" (causal segments of the same call), or "amx" / "avx512" (each chunk over
-its cached prefix, read from the cache, and its own tokens: cpu_attention.py's ``prefill_with_prefixes``); and when no
-layer would take its dense copy at the step's rows. Any other step (``run`` returns None: "sdpa") goes the model's
+What qualifies (``CPUDecoderStack.build`` logs why a model does not): one rank, bf16 or float32 (the dtype start-up
+settles on hosts without AVX512-BF16 or AMX), every layer models/llama.py's DecoderLayer without Gemma's norms, with a
+SwiGLU MLP and attention with no q/k norms, sinks, window or soft-cap, every projection a QuantLinear on the
+interleaved C kernel (kernels/quant_linear.py) with no input permutation, norms in the model's dtype of one eps, and a
+KV cache in one group: bf16 (a float32 model's may be float32 too). A step qualifies when its attention is the C
+kernels', in one call each, as kernels/cpu_attention.py's ``paged_attention_cpu`` would run it: decodes through the
+paged kernel, and a bf16 model's prefill chunks through the settled prefill kernel: "paged" (causal segments of the
+same call), or "amx" / "avx512" (each chunk over its cached prefix, read from the cache, and its own tokens:
+cpu_attention.py's ``prefill_with_prefixes``); and when no layer would take its dense copy at the step's rows. Any other step (``run`` returns None: "sdpa") goes the model's
 usual way, compiled or eager; both ways compute the same things with the same kernels, the norms and residual adds
-rounded to bf16 as eager PyTorch does.
+rounded to bf16 as eager PyTorch does (a float32 model: in float32).
 """
 
 from __future__ import annotations
@@ -50,11 +51,14 @@ class DecoderStepArgs(ctypes.Structure):
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("rot", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("sm_scale", ctypes.c_float), ("cos", _p), ("sin", _p),
                 ("num_positions", ctypes.c_int64), ("num_slots", ctypes.c_int64), ("block_size", ctypes.c_int64),
-                ("final_norm", _p), ("block_tables", _p), ("table_stride", ctypes.c_int64), ("req", _p),
+                ("final_norm", _p), ("f32", ctypes.c_int64), ("cache_f32", ctypes.c_int64), ("block_tables", _p), ("table_stride", ctypes.c_int64), ("req", _p),
                 ("q_start", _p), ("q_len", _p), ("kv_first", _p), ("kv_len", _p), ("causal", _p),
                 ("num_segments", ctypes.c_int64), ("own_kernel", ctypes.c_int64), ("chunk_starts", _p),
                 ("chunk_lens", _p), ("chunk_prefixes", _p), ("num_chunks", ctypes.c_int64), ("lse", _p)]
 
+
+# The model dtypes the stack runs in (decoder.c: bf16, or float32 with f32 set)
+DTYPES = (torch.bfloat16, torch.float32)
 
 # The own-token prefill kernels of kernels/cpu/prefill_attention.c decoder.c calls: settled name -> its code there.
 OWN_KERNELS = {"amx": 1, "avx512": 2}
@@ -104,8 +108,9 @@ def _reason_against(model) -> str | None:
                 or not 0 < 2 * rotary.cos.shape[-1] <= attn.head_dim:
             return "a rotary table the C kernel does not take"
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
-    if any(norm.weight.dtype is not torch.bfloat16 or norm.offset for norm in norms):
-        return "norms not in bf16"
+    dtype = model.norm.weight.dtype
+    if dtype not in DTYPES or any(norm.weight.dtype is not dtype or norm.offset for norm in norms):
+        return "norms not all in bf16 or all in float32"
     if any(norm.eps != model.norm.eps for norm in norms):
         return "norms with different eps"  # decoder.c takes one eps for all of them
     first = model.layers[0].self_attn
@@ -127,6 +132,7 @@ class CPUDecoderStack:
         self.hidden, self.heads, self.kv_heads, self.head_dim = \
             model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.intermediate = mlp.intermediate
+        self.dtype = model.norm.weight.dtype  # of the activations, the norms and the embeddings (a DTYPES one)
         self.dense_limits = [linear.dense_from_rows for layer in layers
                              for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                             layer.mlp.down_proj) if linear.dense_from_rows is not None]
@@ -136,7 +142,7 @@ class CPUDecoderStack:
             hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
             intermediate=self.intermediate, rot=2 * rotary.cos.shape[-1], eps=model.norm.eps, sm_scale=attn.sm_scale,
             cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(), num_positions=rotary.cos.shape[0],
-            final_norm=model.norm.weight.data_ptr())
+            final_norm=model.norm.weight.data_ptr(), f32=int(self.dtype is torch.float32))
         self.layers = (DecoderLayerArgs * len(layers))()
         for args, layer in zip(self.layers, layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -147,8 +153,9 @@ class CPUDecoderStack:
             args.input_norm = layer.input_layernorm.weight.data_ptr()
             args.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             self._keep += [qkv, o, gate_up, down, layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        # the layouts prefill_attention.c's kernels take (its prefill_arguments), and AMX where this process has it
-        takes = self.head_dim % 32 == 0 and self.head_dim <= 256
+        # the layouts prefill_attention.c's kernels take (its prefill_arguments: bf16), and AMX where this process has
+        # it
+        takes = self.head_dim % 32 == 0 and self.head_dim <= 256 and self.dtype is torch.bfloat16
         self.own_kernels = {name for name in OWN_KERNELS
                             if takes and (name != "amx" or library().tm_amx_available())}
         self._cache_of = None  # the KVCache whose layer pointers self.layers holds
@@ -166,11 +173,14 @@ class CPUDecoderStack:
         return cls(model)
 
     def _bind(self, kv_cache: KVCache) -> bool:
-        """Point the layers at ``kv_cache``'s tensors; False where it is not a bf16 cache of one group."""
+        """Point the layers at ``kv_cache``'s tensors; False where it is not a cache of one group that decoder.c
+        takes: bf16, or (a float32 model's) float32."""
         if self._cache_of is kv_cache and self.layers[0].cache == kv_cache.data[0].data_ptr():
             return True
+        cache_dtypes = (torch.bfloat16,) if self.dtype is torch.bfloat16 else (torch.bfloat16, torch.float32)
         if kv_cache.group_of_layer and any(kv_cache.group_of_layer) or len(kv_cache.data) != len(self.layers) \
-                or any(data.dtype is not torch.bfloat16 or scales is not None or not data.is_contiguous()
+                or any(data.dtype not in cache_dtypes or data.dtype is not kv_cache.data[0].dtype
+                       or scales is not None or not data.is_contiguous()
                        for data, scales in zip(kv_cache.data, kv_cache.scales)):
             return False
         for args, data in zip(self.layers, kv_cache.data):
@@ -180,6 +190,7 @@ class CPUDecoderStack:
                 or any(data.shape != first.shape for data in kv_cache.data):
             return False
         self.step.num_slots, self.step.block_size = first.shape[0] * first.shape[1], first.shape[1]
+        self.step.cache_f32 = int(first.dtype is torch.float32)
         self._cache_of = kv_cache
         return True
 
@@ -196,7 +207,7 @@ class CPUDecoderStack:
         # of prefill_attention.c, that kernel, over each chunk's cached prefix and its own tokens
         kernel, own, prefixes = prefill_kernel(), None, None
         causal = bool(meta.prefill_indices) and kernel == "paged" and \
-            paged_prefill_applies(torch.bfloat16, torch.bfloat16)
+            paged_prefill_applies(self.dtype, kv_cache.data[0].dtype)
         if meta.prefill_indices and not causal:
             if kernel not in self.own_kernels:
                 return None
@@ -222,13 +233,13 @@ class CPUDecoderStack:
             (own[0].data_ptr(), own[1].data_ptr(), lse.data_ptr()) if own is not None else (None, None, None)
         step.chunk_prefixes = prefixes.data_ptr() if prefixes is not None else None
         x = self.model.embed(input_ids)
-        if x.dtype is not torch.bfloat16:
+        if x.dtype is not self.dtype:
             return None
         x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, overwritten in place
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         scratch = torch.empty(tokens * (2 * self.hidden + self._width + self.heads * self.head_dim
-                                        + 3 * self.intermediate), dtype=torch.bfloat16)
-        out = torch.empty(tokens, self.hidden, dtype=torch.bfloat16)
+                                        + 3 * self.intermediate), dtype=self.dtype)
+        out = torch.empty(tokens, self.hidden, dtype=self.dtype)
         code = library().tm_decoder_stack(self._step_address, self._layers_address, len(self.layers), x.data_ptr(),
                                           tokens,
                                           positions.data_ptr(), slots.data_ptr(), scratch.data_ptr(), out.data_ptr(),

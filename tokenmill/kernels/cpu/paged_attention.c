@@ -925,3 +925,37 @@ int tm_paged_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, 
     free(covered);
     return code;
 }
+
+// tm_paged_attention over float32 queries (row t's [Hq][D] at q + t * q_stride) into float32 out [rows][Hq][D] (no
+// lse), with causal segments (causal: per segment, or NULL): a float32 model's decode step from the layer stack
+// (kernels/cpu/decoder.c), its q rows read inside the step's fused q/k/v rows. Rows no segment covers come out zero.
+// Other arguments as there; the same returns.
+int tm_paged_attention_f32(const float *q, int64_t q_stride, float *out, int64_t rows, const void *cache,
+                           const float *scales, int kind, const int64_t *block_tables, int64_t table_stride,
+                           const int32_t *req, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_first,
+                           const int32_t *kv_len, const int32_t *causal, int num_segments, int Hq, int Hkv, int D,
+                           int block_size, float sm_scale, float softcap, int threads) {
+    const int64_t width = (int64_t)Hq * D;
+    float *packed = NULL;  // the covered rows of q, contiguous (q itself where it already is)
+    uint8_t *covered = calloc((size_t)rows + 1, 1);
+    if (q_stride != width) packed = malloc(sizeof(float) * (size_t)(rows * width + 1));
+    if (!covered || (q_stride != width && !packed)) {
+        free(packed);
+        free(covered);
+        return -1;
+    }
+    for (int s = 0; s < num_segments; s++)
+        for (int64_t t = q_start[s]; t < (int64_t)q_start[s] + q_len[s]; t++) {
+            if (packed) memcpy(packed + t * width, q + t * q_stride, sizeof(float) * (size_t)width);
+            covered[t] = 1;
+        }
+    const int code = attention(packed ? packed : q, out, NULL, cache, scales, kind, block_tables, table_stride, req,
+                               q_start, q_len, kv_first, kv_len, causal, num_segments, Hq, Hkv, D, block_size,
+                               sm_scale, softcap, 0, threads);
+    if (code == 0)
+        for (int64_t t = 0; t < rows; t++)
+            if (!covered[t]) memset(out + t * width, 0, sizeof(float) * (size_t)width);
+    free(packed);
+    free(covered);
+    return code;
+}
