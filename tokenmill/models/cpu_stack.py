@@ -12,9 +12,10 @@ KV cache in one group: bf16 (a float32 model's may be float32 too). A step quali
 kernels', in one call each, as kernels/cpu_attention.py's ``paged_attention_cpu`` would run it: decodes through the
 paged kernel, and a bf16 model's prefill chunks through the settled prefill kernel: "paged" (causal segments of the
 same call), or "amx" / "avx512" (each chunk over its cached prefix, read from the cache, and its own tokens:
-cpu_attention.py's ``prefill_with_prefixes``); and when no layer would take its dense copy at the step's rows. Any other step (``run`` returns None: "sdpa") goes the model's
-usual way, compiled or eager; both ways compute the same things with the same kernels, the norms and residual adds
-rounded to bf16 as eager PyTorch does (a float32 model: in float32).
+cpu_attention.py's ``prefill_with_prefixes``); and when no layer would take its dense copy at the step's rows. Any
+other step (``run`` returns None: "sdpa") goes the model's usual way, compiled or eager; both ways compute the same
+things with the same kernels, the norms and residual adds rounded to bf16 as eager PyTorch does (a float32 model: in
+float32).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class DecoderStepArgs(ctypes.Structure):
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("rot", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("sm_scale", ctypes.c_float), ("cos", _p), ("sin", _p),
                 ("num_positions", ctypes.c_int64), ("num_slots", ctypes.c_int64), ("block_size", ctypes.c_int64),
-                ("final_norm", _p), ("f32", ctypes.c_int64), ("cache_f32", ctypes.c_int64), ("block_tables", _p), ("table_stride", ctypes.c_int64), ("req", _p),
+                ("final_norm", _p), ("f32", ctypes.c_int64), ("cache_f32", ctypes.c_int64), ("block_tables", _p),
+                ("table_stride", ctypes.c_int64), ("req", _p),
                 ("q_start", _p), ("q_len", _p), ("kv_first", _p), ("kv_len", _p), ("causal", _p),
                 ("num_segments", ctypes.c_int64), ("own_kernel", ctypes.c_int64), ("chunk_starts", _p),
                 ("chunk_lens", _p), ("chunk_prefixes", _p), ("num_chunks", ctypes.c_int64), ("lse", _p)]
