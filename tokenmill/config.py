@@ -154,10 +154,11 @@ class EngineConfig(BaseSettings):
     enforce_eager: bool = Field(False, description="run the model eagerly; otherwise on a CPU the layer stack is "
                                                    "compiled with torch.compile and warmed up at start-up")
     cpu_layer_stack: bool = Field(True, description="on a CPU, run a plain Llama-style model's (int4 / int8 C "
-                                  "kernels, bf16 KV cache) whole layer stack in one C call in the steps that allow it "
-                                  "(models/cpu_stack.py), the others compiled or eagerly; off: every step that way")
+                                  "kernels, bf16 or float32 activations, bf16 KV cache) whole layer stack in one C "
+                                  "call in the steps that allow it (models/cpu_stack.py), the others compiled or "
+                                  "eagerly; off: every step that way")
     compile_cache_dir: str = Field("~/.cache/tokenmill/inductor", description="torch.compile's generated code, "
-                                                                             "kept across restarts")
+                                   "kept across restarts (a subdirectory per vector ISA inductor generates for)")
     tokenizer_cache_dir: str = Field("~/.cache/tokenmill/tokenizers", description="a GGUF file's tokenizer, converted "
                                      "once (seconds) and kept across restarts; '' converts it at every start")
     # --- server (used by `tokenmill serve` only)
