@@ -1,7 +1,8 @@
 """Where an offline decode step's time goes when the CPU layer stack runs it (its one C call hides the layers from
 torch's profiler): the default model decoding ``--batch`` requests of ``--prompt-len`` random tokens, ``--steps``
 steps a round timed whole, with the stack's call and the LM head timed inside; the rest is the step's host work
-(scheduling, input preparation, sampling, detokenization, outputs). ms a step per round, to JSON.
+(scheduling, input preparation, sampling, detokenization, outputs), of which detokenization (the requests' incremental
+detokenizers) is timed too. ms a step per round, to JSON.
 
     python benchmarks/step_split.py [--batch 1,32] [--rounds 3] [--steps 20] [--out FILE]
 """
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode_profile import steady_decode  # noqa: E402
 
 from tokenmill import LLM  # noqa: E402
+from tokenmill.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +33,7 @@ def main() -> None:
     llm = LLM(kv_cache_memory="1GiB")
     model = llm.engine.runner.model
     assert model.cpu_stack is not None, "the default model did not take the layer stack"
-    inside = {"stack": 0.0, "lm_head": 0.0}
+    inside = {"stack": 0.0, "lm_head": 0.0, "detokenize": 0.0}
 
     def timed(name, fn):
         def call(*a, **kw):
@@ -43,18 +45,21 @@ def main() -> None:
         return call
     model.cpu_stack.run = timed("stack", model.cpu_stack.run)
     model.compute_logits = timed("lm_head", model.compute_logits)
+    update = IncrementalDetokenizer.update
+    IncrementalDetokenizer.update = lambda self, *a, **kw: timed("detokenize", update)(self, *a, **kw)
     results = []
     for batch in (int(b) for b in args.batch.split(",")):
         steady_decode(llm, batch, args.prompt_len)
         for round_ in range(args.rounds):
-            inside.update(stack=0.0, lm_head=0.0)
+            inside.update(stack=0.0, lm_head=0.0, detokenize=0.0)
             start = time.perf_counter()
             for _ in range(args.steps):
                 llm.engine.step()
             step = (time.perf_counter() - start) / args.steps * 1e3
             row = {"batch": batch, "round": round_, "step_ms": round(step, 3),
                    "stack_ms": round(inside["stack"] / args.steps * 1e3, 3),
-                   "lm_head_ms": round(inside["lm_head"] / args.steps * 1e3, 3)}
+                   "lm_head_ms": round(inside["lm_head"] / args.steps * 1e3, 3),
+                   "detokenize_ms": round(inside["detokenize"] / args.steps * 1e3, 3)}
             row["rest_ms"] = round(step - row["stack_ms"] - row["lm_head_ms"], 3)
             results.append(row)
             print(json.dumps(row), flush=True)

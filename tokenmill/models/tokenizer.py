@@ -49,6 +49,7 @@ class Tokenizer:
         # The tokenizer's own EOS; the model's full list is ModelConfig.eos_token_ids (this one included).
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.vocab_size = len(self.hf)
+        self._rust_decode = _rust_decode(self.hf)
 
     @classmethod
     def of_checkpoint(cls, checkpoint: Checkpoint, cache_dir: str | None = DEFAULT_CACHE_DIR) -> "Tokenizer":
@@ -69,6 +70,10 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        # the engine detokenizes every running request twice a step (engine/detokenizer.py): transformers' wrapper
+        # around the Rust call cost 2.4 us of a call's 3.3 (SmolLM2, 6 tokens), ~1% of a 32-decode step
+        if self._rust_decode is not None:
+            return self._rust_decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -81,6 +86,22 @@ class Tokenizer:
                                                tokenize=False, **(template_kwargs or {}))
         # The template already holds the special tokens it needs (e.g. <|im_start|>).
         return self.encode(rendered, add_special_tokens=False)
+
+
+def _rust_decode(hf):
+    """The ``tokenizers`` library's decode where transformers' ``decode`` returns exactly what it returns (a fast
+    tokenizer whose class overrides neither decode step, with no clean-up of tokenization spaces), else None."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: its own decode, always
+        return None
+    cls, backend = type(hf), getattr(hf, "_tokenizer", None)
+    if not isinstance(hf, TokenizersBackend) or cls.decode is not PreTrainedTokenizerBase.decode \
+            or cls._decode is not TokenizersBackend._decode or hf.clean_up_tokenization_spaces \
+            or not callable(getattr(backend, "decode", None)):
+        return None
+    return backend.decode
 
 
 def _refuse_remote_code(directory: Path) -> None:
