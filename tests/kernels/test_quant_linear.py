@@ -261,14 +261,16 @@ def test_a_layer_takes_the_amx_build_from_its_threshold():
 @needs_kernels
 @pytest.mark.skipif(x16_register_rows() != 16, reason="no AVX-512 VNNI build here: the tests above ran the AVX2 one")
 def test_the_avx2_build_on_an_avx512_host():
-    """The kernel tests again against the library built without AVX-512 (the build an AVX2-only host gets)."""
+    """The kernel tests again against the library built without AVX-512 (the build an AVX2-only host gets), and the
+    layer stack's float32 tests (the dtype such hosts settle: decoder.c over this build's kernels)."""
     env = {**os.environ, EXTRA_FLAGS_ENV: "-mno-avx512f"}
     rows = subprocess.run([sys.executable, "-c", "from tokenmill.kernels.cpu_native import x16_register_rows as r; "
                            "print(r())"], env=env, capture_output=True, text=True, timeout=300)
     assert rows.stdout.strip() == "8", rows.stderr[-2000:]
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+    stack = os.path.join(os.path.dirname(__file__), os.pardir, "models", "test_cpu_stack.py")
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, stack, "-k",
                             "kernel_matches_reference or held_interleaved or other_activation or bf16_calls or "
-                           "gguf_blocks or symmetric or activation_codes or thread_count"],
+                           "gguf_blocks or symmetric or activation_codes or thread_count or float32_model"],
                            env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and " failed" not in tests.stdout
