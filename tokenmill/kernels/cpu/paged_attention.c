@@ -885,21 +885,19 @@ void tm_round_bf16(const float *src, uint16_t *dst, int64_t n) {
 }
 
 
-// tm_paged_attention over bf16 queries (row t's [Hq][D] at q + t * q_stride) into bf16 out [rows][Hq][D] (no lse),
-// with causal segments (causal: per segment, or NULL): a bf16 model's step (decodes, and prefill chunks whose own
-// tokens are in the cache), with no conversion of its own; rows no segment covers come out zero (a prefill kernel's
-// to fill). Other arguments as there; the same returns.
-int tm_paged_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t rows, const void *cache,
-                            const float *scales,
-                            int kind, const int64_t *block_tables, int64_t table_stride, const int32_t *req,
-                            const int32_t *q_start, const int32_t *q_len, const int32_t *kv_first,
-                            const int32_t *kv_len, const int32_t *causal, int num_segments, int Hq, int Hkv, int D,
-                            int block_size, float sm_scale, float softcap, int threads) {
+// tm_paged_attention_bf16 and tm_paged_attention_f32: rows of q (row t's [Hq][D] at q + t * q_stride elements, bf16 or
+// float32) into out [rows][Hq][D] of the same dtype. Only the segments' rows are widened / copied and rounded (the
+// decodes beside a step's prefill chunks, whose rows another kernel fills, are a few of its rows: widening, zeroing
+// and rounding them all cost more than the decodes' attention); the others come out zero.
+static int attention_of_rows(const void *q, int64_t q_stride, void *out, int64_t rows, int bf16, const void *cache,
+                             const float *scales, int kind, const int64_t *block_tables, int64_t table_stride,
+                             const int32_t *req, const int32_t *q_start, const int32_t *q_len,
+                             const int32_t *kv_first, const int32_t *kv_len, const int32_t *causal, int num_segments,
+                             int Hq, int Hkv, int D, int block_size, float sm_scale, float softcap, int threads) {
     const int64_t width = (int64_t)Hq * D, n = rows * width;
-    // q widened, then the float32 output: only the segments' rows of either are touched (the decodes beside a step's
-    // prefill chunks, whose rows another kernel fills, are a few of its rows: widening, zeroing and rounding them all
-    // cost more than the decodes' attention)
-    float *buffer = malloc(sizeof(float) * (size_t)(2 * n));
+    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+    // q's rows as float32 [rows][Hq][D], then (bf16) the float32 output
+    float *buffer = malloc(sizeof(float) * (size_t)((bf16 ? 2 : 1) * n + 1));
     uint8_t *covered = calloc((size_t)rows + 1, 1);
     if (!buffer || !covered) {
         free(buffer);
@@ -908,54 +906,50 @@ int tm_paged_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, 
     }
     for (int s = 0; s < num_segments; s++)
         for (int64_t t = q_start[s]; t < (int64_t)q_start[s] + q_len[s]; t++) {
-            tm_widen_bf16(q + t * q_stride, buffer + t * width, width);
+            if (bf16)
+                tm_widen_bf16((const uint16_t *)q + t * q_stride, buffer + t * width, width);
+            else
+                memcpy(buffer + t * width, (const float *)q + t * q_stride, sizeof(float) * (size_t)width);
             covered[t] = 1;
         }
-    const int code = attention(buffer, buffer + n, NULL, cache, scales, kind, block_tables, table_stride, req, q_start,
+    float *result = bf16 ? buffer + n : out;
+    const int code = attention(buffer, result, NULL, cache, scales, kind, block_tables, table_stride, req, q_start,
                                q_len, kv_first, kv_len, causal, num_segments, Hq, Hkv, D, block_size, sm_scale, softcap,
-                               1, threads);
+                               bf16, threads);
     if (code == 0)
         for (int64_t t = 0; t < rows; t++) {
-            if (covered[t])  // every covered row's output is written whole (a query that sees no token: zeros)
-                tm_round_bf16(buffer + n + t * width, out + t * width, width);
-            else  // rows no segment covers come out zero, not garbage
-                memset(out + t * width, 0, sizeof(uint16_t) * (size_t)width);
+            if (!covered[t])  // rows no segment covers come out zero, not garbage
+                memset((char *)out + (size_t)(t * width) * elem, 0, elem * (size_t)width);
+            else if (bf16)  // every covered row's output is written whole (a query that sees no token: zeros)
+                tm_round_bf16(result + t * width, (uint16_t *)out + t * width, width);
         }
     free(buffer);
     free(covered);
     return code;
 }
 
-// tm_paged_attention over float32 queries (row t's [Hq][D] at q + t * q_stride) into float32 out [rows][Hq][D] (no
-// lse), with causal segments (causal: per segment, or NULL): a float32 model's decode step from the layer stack
-// (kernels/cpu/decoder.c), its q rows read inside the step's fused q/k/v rows. Rows no segment covers come out zero.
-// Other arguments as there; the same returns.
+// tm_paged_attention over bf16 queries into bf16 out [rows][Hq][D] (no lse), with causal segments (causal: per
+// segment, or NULL): a bf16 model's step (decodes, and prefill chunks whose own tokens are in the cache), with no
+// conversion of its own; rows no segment covers come out zero (a prefill kernel's to fill). Other arguments as there;
+// the same returns.
+int tm_paged_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t rows, const void *cache,
+                            const float *scales, int kind, const int64_t *block_tables, int64_t table_stride,
+                            const int32_t *req, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_first,
+                            const int32_t *kv_len, const int32_t *causal, int num_segments, int Hq, int Hkv, int D,
+                            int block_size, float sm_scale, float softcap, int threads) {
+    return attention_of_rows(q, q_stride, out, rows, 1, cache, scales, kind, block_tables, table_stride, req, q_start,
+                             q_len, kv_first, kv_len, causal, num_segments, Hq, Hkv, D, block_size, sm_scale, softcap,
+                             threads);
+}
+
+// The same over float32 queries into float32 out: a float32 model's decode step from the layer stack
+// (kernels/cpu/decoder.c), its q rows read inside the step's fused q/k/v rows.
 int tm_paged_attention_f32(const float *q, int64_t q_stride, float *out, int64_t rows, const void *cache,
                            const float *scales, int kind, const int64_t *block_tables, int64_t table_stride,
                            const int32_t *req, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_first,
                            const int32_t *kv_len, const int32_t *causal, int num_segments, int Hq, int Hkv, int D,
                            int block_size, float sm_scale, float softcap, int threads) {
-    const int64_t width = (int64_t)Hq * D;
-    float *packed = NULL;  // the covered rows of q, contiguous (q itself where it already is)
-    uint8_t *covered = calloc((size_t)rows + 1, 1);
-    if (q_stride != width) packed = malloc(sizeof(float) * (size_t)(rows * width + 1));
-    if (!covered || (q_stride != width && !packed)) {
-        free(packed);
-        free(covered);
-        return -1;
-    }
-    for (int s = 0; s < num_segments; s++)
-        for (int64_t t = q_start[s]; t < (int64_t)q_start[s] + q_len[s]; t++) {
-            if (packed) memcpy(packed + t * width, q + t * q_stride, sizeof(float) * (size_t)width);
-            covered[t] = 1;
-        }
-    const int code = attention(packed ? packed : q, out, NULL, cache, scales, kind, block_tables, table_stride, req,
-                               q_start, q_len, kv_first, kv_len, causal, num_segments, Hq, Hkv, D, block_size,
-                               sm_scale, softcap, 0, threads);
-    if (code == 0)
-        for (int64_t t = 0; t < rows; t++)
-            if (!covered[t]) memset(out + t * width, 0, sizeof(float) * (size_t)width);
-    free(packed);
-    free(covered);
-    return code;
+    return attention_of_rows(q, q_stride, out, rows, 0, cache, scales, kind, block_tables, table_stride, req, q_start,
+                             q_len, kv_first, kv_len, causal, num_segments, Hq, Hkv, D, block_size, sm_scale, softcap,
+                             threads);
 }
