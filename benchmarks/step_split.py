@@ -45,8 +45,7 @@ def main() -> None:
         return call
     model.cpu_stack.run = timed("stack", model.cpu_stack.run)
     model.compute_logits = timed("lm_head", model.compute_logits)
-    update = IncrementalDetokenizer.update
-    IncrementalDetokenizer.update = lambda self, *a, **kw: timed("detokenize", update)(self, *a, **kw)
+    IncrementalDetokenizer.update = timed("detokenize", IncrementalDetokenizer.update)  # a plain function: a method
     results = []
     for batch in (int(b) for b in args.batch.split(",")):
         steady_decode(llm, batch, args.prompt_len)
