@@ -104,12 +104,12 @@ def stop_server(server: LiveServer) -> None:
 
 @pytest.fixture(scope="session")
 def fp32_server(tmp_path_factory):
-    """fp32 compute and KV (deterministic enough to compare tokens), with API keys."""
+    """fp32 compute and KV (deterministic enough to compare tokens), with API keys and their series on /metrics."""
     tmp = tmp_path_factory.mktemp("fp32")
     keys = tmp / "keys.txt"
     keys.write_text(f"# name: key\nalice: {ALICE_KEY}\n")
     server = start_server(tmp, *FP32, "--api-key", API_KEY, "--api-key-file", str(keys),
-                          "--cors-origins", CORS_ORIGIN)
+                          "--cors-origins", CORS_ORIGIN, "--metrics-per-key")
     yield server
     stop_server(server)
 
@@ -128,7 +128,7 @@ def inprocess_server(**config):
 
     engine_config = load_config(engine_process=False, **config)
     state = build_state(engine_config, lambda host, exc: None)
-    app = build_app(state, [], engine_config.max_request_body_bytes)
+    app = build_app(state, engine_config)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
     thread = threading.Thread(target=server.run, daemon=True)

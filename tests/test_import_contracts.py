@@ -92,7 +92,8 @@ def test_scheduler_reaches_neither_torch_nor_models(module):
 
 SERVER_MAY_IMPORT = ("tokenmill.engine.client", "tokenmill.engine.messages", "tokenmill.engine.footprint", "tokenmill.sampling.params",
                      "tokenmill.structured.spec", "tokenmill.structured.errors", "tokenmill.structured.checker",
-                     "tokenmill.tools", "tokenmill.config", "tokenmill.model_specs", "tokenmill.logs", "tokenmill.server")
+                     "tokenmill.tools", "tokenmill.config", "tokenmill.model_specs", "tokenmill.logs", "tokenmill.fair",
+                     "tokenmill.server")
 
 
 @pytest.mark.parametrize("module", modules_under("tokenmill.server"))

@@ -38,7 +38,11 @@ SERVER_FIELDS = frozenset({"host", "port", "served_model_name", "api_key", "api_
                            "responses_store_max_count", "responses_store_max_bytes", "max_request_body_bytes", "max_n",
                            "max_stop_sequences",
                            "max_stop_length", "max_logit_bias", "max_stop_token_ids", "max_prompts", "max_tools",
-                           "max_embedding_inputs"})
+                           "max_embedding_inputs", "max_json_depth", "request_output_budget_bytes",
+                           "responses_store_max_count_per_key", "responses_store_max_bytes_per_key",
+                           "responses_store_max_item_bytes", "stream_buffer_bytes", "stream_send_timeout_s",
+                           "body_read_timeout_s", "max_connections", "max_header_bytes", "keep_alive_timeout_s",
+                           "metrics_per_key"})
 
 
 class ConfigError(ValueError):
@@ -130,6 +134,10 @@ class EngineConfig(BaseSettings):
                                "naming its constraint, and no other request waits for it")
     grammar_max_bytes: int = Field(256 * 2**20, gt=0, description="largest compiled grammar of one request "
                                                                   "(accepts '256MiB')")
+    grammar_cache_bytes: int = Field(16 * 2**20, gt=0, description="most bytes of grammar text whose check verdicts "
+                                     "the API process remembers (accepts '16MiB')")
+    grammar_checker_memory: int = Field(2 * 2**30, gt=0, description="address space a grammar check may add to its "
+                                        "checker process (RLIMIT_AS); over it the grammar is refused (accepts '2GiB')")
     # --- parallelism
     devices: list[int] | None = Field(None, description="the GPUs this model's engine uses, its ranks on them in "
                                       "order (CUDA_VISIBLE_DEVICES of its engine process: one model per GPU set in a "
@@ -185,7 +193,11 @@ class EngineConfig(BaseSettings):
                           "GET /v1/usage); '' keeps none")
     hourly_cost: float | None = Field(None, ge=0, description="what the machine costs per hour (USD): the usage "
                                       "ledger prices each request's engine time at it")
-    auth_all_endpoints: bool = Field(False, description="also require a key for /health, /ready and /metrics")
+    auth_all_endpoints: bool = Field(False, description="also require a key for /health, /ready, /metrics, "
+                                     "/openapi.json and /docs")
+    metrics_per_key: bool = Field(False, description="series per API key name on /metrics (key_tokens, "
+                                  "key_requests, key_engine_seconds, key_time_to_first_token_seconds); off: no key "
+                                  "name appears there (GET /v1/usage has the same figures for the keys entitled)")
     cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origin (repeatable)")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests get to finish on SIGTERM")
     admission_overcommit: float = Field(
@@ -208,6 +220,14 @@ class EngineConfig(BaseSettings):
                                 "recently used dropped first)")
     responses_store_max_bytes: int = Field(64 * 2**20, ge=0, description="most bytes of stored responses "
                                                                          "(accepts '64MiB')")
+    responses_store_max_count_per_key: int = Field(
+        200, ge=0, description="most stored responses of one API key; past the server's bounds the key holding the "
+                               "most bytes gives way first, so one key cannot push out another's")
+    responses_store_max_bytes_per_key: int = Field(16 * 2**20, ge=0, description="most bytes of one API key's "
+                                                   "stored responses (accepts '16MiB')")
+    responses_store_max_item_bytes: int = Field(2 * 2**20, gt=0, description="largest response (with its "
+                                                "conversation) the store keeps; a larger one is answered, not kept "
+                                                "(accepts '2MiB')")
     # --- request limits (each a 400 naming the parameter)
     max_request_body_bytes: int = Field(4 * 2**20, gt=0, description="largest request body (accepts '4MiB')")
     max_n: int = Field(16, gt=0, description="most choices (n) per prompt")
@@ -219,6 +239,23 @@ class EngineConfig(BaseSettings):
     max_tools: int = Field(128, gt=0, description="most tools in one chat request")
     max_embedding_inputs: int = Field(2048, gt=0, description="most inputs in one /v1/embeddings request "
                                                               "(OpenAI's limit)")
+    max_json_depth: int = Field(64, gt=0, description="deepest nesting of arrays and objects in a request body")
+    request_output_budget_bytes: int = Field(
+        256 * 2**20, gt=0, description="most bytes one request may make the server build: its logprobs (prompts x "
+                                       "choices x tokens x candidates) and embeddings, estimated before it runs "
+                                       "(accepts '256MiB')")
+    # --- the connection (each bounds what one client can hold)
+    stream_buffer_bytes: int = Field(4 * 2**20, gt=0, description="most bytes of a stream's output waiting for its "
+                                     "client to read them; past it the stream is cut off and its generation aborted "
+                                     "(accepts '4MiB')")
+    stream_send_timeout_s: float = Field(30.0, gt=0, description="seconds one event of a stream may wait for its "
+                                         "client to read it; past it the stream is closed and its generation aborted")
+    body_read_timeout_s: float = Field(30.0, gt=0, description="seconds a client has to send a request's body")
+    max_connections: int = Field(1024, gt=0, description="open connections and requests at once; beyond it new "
+                                 "ones get 503")
+    max_header_bytes: int = Field(16 * 2**10, ge=1024, description="largest request line and headers (accepts "
+                                  "'16KiB')")
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection stays open")
     engine_process: bool = Field(True, description="run the engine core in its own process (--no-engine-process: "
                                                    "on a thread of the API process, one GIL for both)")
 
@@ -242,6 +279,8 @@ class EngineConfig(BaseSettings):
         return value
 
     @field_validator("kv_cache_memory", "max_request_body_bytes", "grammar_max_bytes", "responses_store_max_bytes",
+                     "responses_store_max_bytes_per_key", "responses_store_max_item_bytes", "stream_buffer_bytes",
+                     "max_header_bytes", "request_output_budget_bytes", "grammar_cache_bytes", "grammar_checker_memory",
                      mode="before")
     @classmethod
     def _parse_size(cls, value: Any) -> int | None:

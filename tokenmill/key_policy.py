@@ -9,6 +9,8 @@ enforces them (which models a key may use, its request and token rates); server/
     tpm = 20000                     # tokens per minute: prompt + max_tokens promised, settled to the tokens used
     priority = "interactive"        # or "batch": runs on the capacity interactive work leaves
     admin = false                   # true: may read every key's usage at GET /v1/usage
+    max_concurrent = 8              # most requests open at once (omitted: no limit); beyond it a 429
+    cache_group = "team-a"          # keys of one group share prefix-cache blocks (omitted: the key's own name)
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class KeyPolicy(BaseModel):
     tpm: int | None = Field(None, gt=0)
     priority: Literal["interactive", "batch"] = "interactive"
     admin: bool = False  # may read every key's usage (GET /v1/usage); other keys read their own
+    max_concurrent: int | None = Field(None, gt=0)  # requests open at once (server/tenants.py)
+    # Prefix-cache blocks are private to a key unless keys name a common group (server/serving.py cache_scope).
+    cache_group: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _one_secret(self) -> "KeyPolicy":

@@ -26,9 +26,11 @@ class Clock:
         return self.now
 
 
-def test_token_buckets_refill_at_limit_per_minute_and_charge_both_or_neither():
+def test_token_buckets_refill_at_limit_per_minute():
+    """A request is taken at the edge (``enter``), its promise once known (``charge``); refusals take nothing."""
     clock = Clock()
     tenants = Tenants([KeyPolicy(name="a", key="k", rpm=2, tpm=600)], clock)
+    tenants.enter("a")
     first = tenants.charge("a", 500)
     assert tenants.headers("a")["x-ratelimit-remaining-tokens"] == "100"
     assert tenants.headers("a")["x-ratelimit-remaining-requests"] == "1"
@@ -36,11 +38,12 @@ def test_token_buckets_refill_at_limit_per_minute_and_charge_both_or_neither():
         tenants.charge("a", 200)
     assert refused.value.status == 429 and refused.value.code == "rate_limit_exceeded"
     assert refused.value.headers["Retry-After"] == "10" and refused.value.type == "tokens"
-    assert tenants.headers("a")["x-ratelimit-remaining-requests"] == "1"  # the refusal took nothing
+    assert tenants.headers("a")["x-ratelimit-remaining-tokens"] == "100"  # the refusal took nothing
     clock.now += 10
+    tenants.enter("a")
     tenants.charge("a", 200)  # exactly fits after the wait it was told
     with pytest.raises(APIError) as refused:  # 1/3 of a request left (10 s at 2 a minute): 2/3 more take 20 s
-        tenants.charge("a", 1)
+        tenants.enter("a")
     assert refused.value.type == "requests" and refused.value.headers["Retry-After"] == "20"
     first.settle(120)  # used 120 of its 500: 380 back, once
     first.settle(0)

@@ -5,7 +5,8 @@ It owns what the API side needs without the model: the tokenizer (encode, chat t
 logprobs -- each call on a worker thread), the front-end path that validates requests and fans out their choices
 (engine/messages.py's ``make_engine_requests``, shared with ``LLM``), the grammar checker (structured/checker.py:
 compile and try a grammar in a child process, with a time and size budget), and a queue per live request fed by the
-engine's outputs. The engine core itself runs in a child process (engine/process.py) or, with ``in_process``, on a
+engine's outputs. Work done for callers (tokenizing, templates, grammar checks) queues per caller and is served
+round-robin (tokenmill/fair.py), so one API key's many requests cannot hold up another's. The engine core itself runs in a child process (engine/process.py) or, with ``in_process``, on a
 thread beside the server.
 """
 
@@ -15,7 +16,6 @@ import asyncio
 import logging
 import threading
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
@@ -23,14 +23,15 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.messages import (EngineInfo, EngineRequest, EngineStats, RequestOutput, StepOutputs,
                                        make_engine_requests)
 from tokenmill.engine.process import EngineDeadError, EngineProcess, InProcessEngine
-from tokenmill.models.tokenizer import Tokenizer
+from tokenmill.fair import FairExecutor
+from tokenmill.models.tokenizer import NoChatTemplate, Tokenizer
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.structured.checker import CheckerUnavailable, GrammarChecker
 from tokenmill.structured.spec import GrammarSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineClient", "EngineDeadError", "TokenPiece"]
+__all__ = ["EngineClient", "EngineDeadError", "NoChatTemplate", "TokenPiece"]
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,10 @@ class EngineClient:
     def __init__(self, config: EngineConfig, in_process: bool = False):
         self.config = config
         self._tokenizer: Tokenizer | None = None  # loaded by start(), while the engine loads its model
-        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
-        self._grammar_thread = ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar-check")  # the checker's
+        # Tokenization and chat templates on one thread, grammar checks on two (the checker's children), each queue
+        # served round-robin among the callers (API keys) waiting on it: tokenmill/fair.py.
+        self._tokenizer_thread = FairExecutor(1, thread_name_prefix="tokenmill-tokenizer")
+        self._grammar_thread = FairExecutor(2, thread_name_prefix="tokenmill-grammar-check")
         self._engine = InProcessEngine(config) if in_process else EngineProcess(config)
         self.engine_in_own_process = not in_process
         self.info: EngineInfo | None = None
@@ -149,14 +152,19 @@ class EngineClient:
             if self._checker is None:
                 info = self._tokenizer_thread.submit(self._xgrammar_tokenizer_info).result()
                 self._checker = GrammarChecker(info.serialize_json(), list(self.info.eos_token_ids),
-                                               self.config.grammar_timeout, self.config.grammar_max_bytes)
+                                               self.config.grammar_timeout, self.config.grammar_max_bytes,
+                                               cache_bytes=self.config.grammar_cache_bytes,
+                                               memory_bytes=self.config.grammar_checker_memory)
         self._checker.check(spec)
 
     def make_requests(self, prompts: Sequence[list[int]], params: SamplingParams, arrival_time: float,
-                      cache_salt: str | None = None, priority: int = 0) -> list[EngineRequest]:
+                      cache_salt: str | None = None, priority: int = 0, cache_scope: str | None = None
+                      ) -> list[EngineRequest]:
         """Validated engine requests, ``params.n`` per prompt (make_engine_requests: SamplingParamError or
-        PromptError naming the problem), of ``priority`` (0 interactive, 1 batch)."""
-        return make_engine_requests(self.info, prompts, params, arrival_time, cache_salt, priority=priority)
+        PromptError naming the problem), of ``priority`` (0 interactive, 1 batch), sharing cached blocks within
+        ``cache_scope`` only."""
+        return make_engine_requests(self.info, prompts, params, arrival_time, cache_salt, priority=priority,
+                                    cache_scope=cache_scope)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit ``request`` and yield its outputs until it finishes. Closing the iterator early (the client

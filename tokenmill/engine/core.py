@@ -24,6 +24,7 @@ from tokenmill.engine.messages import EngineInfo, EngineRequest, EngineStats, Re
 from tokenmill.engine.ranks import WorkerRanks
 from tokenmill.engine.settle import settle
 from tokenmill.kvcache.manager import KVCacheManager
+from tokenmill.kvcache.prefix import scoped_salt
 from tokenmill.models.pooling import read_pooling
 from tokenmill.runtime import resident_memory_bytes
 from tokenmill.scheduler.output import RunnerOutput
@@ -96,7 +97,7 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request.request_id, list(request.prompt_token_ids), request.params, max_tokens=request.max_tokens,
             eos_token_ids=self.model_config.eos_token_ids, arrival_time=request.arrival_time,
-            cache_salt=request.cache_salt, priority=request.priority))
+            cache_salt=scoped_salt(request.cache_scope, request.cache_salt), priority=request.priority))
         self.checks.add(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -177,4 +178,5 @@ class EngineCore:
                              new_logprobs=result.logprobs.get(request.request_id, [])[:len(tokens)],
                              prompt_logprobs=request.prompt_logprobs if first else None,
                              embedding=request.embedding if first else None,
-                             first_scheduled_time=request.first_scheduled_time, token_time=now, error=request.error)
+                             first_scheduled_time=request.first_scheduled_time, token_time=now, error=request.error,
+                             error_code="grammar_too_costly" if request.error is not None else None)

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 from tokenmill.kvcache.groups import KVGroups
 from tokenmill.models.pooling import Pooling
-from tokenmill.sampling.params import SamplingParamError, SamplingParams
+from tokenmill.sampling.params import INT64_MIN, SamplingParamError, SamplingParams
 from tokenmill.scheduler.output import PromptLogprob, TokenLogprobs
 from tokenmill.scheduler.priority import BATCH, INTERACTIVE  # noqa: F401 - the API side names priorities from here
 
@@ -34,6 +34,9 @@ class EngineRequest:
     cache_salt: str | None = None
     # Lower first: INTERACTIVE or BATCH (scheduler/priority.py).
     priority: int = INTERACTIVE
+    # Whose cached blocks it may share, besides the salt: the server sets it from the caller's API key (a tenant's
+    # blocks are its own unless its keys share a cache group); None on a server without keys.
+    cache_scope: str | None = None
 
 
 @dataclass
@@ -58,8 +61,10 @@ class RequestOutput:
     # Engine timing marks: when the request was first scheduled, when these tokens were sampled.
     first_scheduled_time: float | None = None
     token_time: float | None = None
-    # finish_reason "error": why the engine refused the request while running it (its grammar's budget, say).
+    # finish_reason "error": why the engine refused the request while running it, for the client (never an exception's
+    # text), and of what kind: "grammar_too_costly" (its grammar went over the server's budget), "engine_error".
     error: str | None = None
+    error_code: str | None = None
     # Engine time spent on the request so far: each step's wall time shared among its requests by the tokens it
     # computed for each (the usage ledger's cost basis).
     engine_seconds: float = 0.0
@@ -140,7 +145,15 @@ def validate_request(info: EngineInfo, prompt_token_ids: list[int], params: Samp
             f"This model's maximum context length is {info.max_model_len} tokens. However, you requested "
             f"{len(prompt_token_ids) + wanted} tokens ({len(prompt_token_ids)} in the prompt, {wanted} for "
             f"the completion). Please reduce the prompt or the completion length.")
+    if params.min_tokens > wanted:
+        raise SamplingParamError("min_tokens", f"must not exceed the completion's length ({wanted} tokens here)")
     return wanted
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """Choice ``choice``'s seed of a request seeded with ``seed``: seed + choice, wrapped into int64 (two's
+    complement), so that every seed the API accepts gives n distinct, reproducible seeds the engine's arrays hold."""
+    return (seed + choice - INT64_MIN) % 2**64 + INT64_MIN
 
 
 class PromptError(ValueError):
@@ -153,7 +166,7 @@ class PromptError(ValueError):
 
 def make_engine_requests(info: EngineInfo, prompts: Sequence[list[int]], params: SamplingParams, arrival_time: float,
                          cache_salt: str | None = None, new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
-                         priority: int = INTERACTIVE) -> list[EngineRequest]:
+                         priority: int = INTERACTIVE, cache_scope: str | None = None) -> list[EngineRequest]:
     """The one front-end path (``LLM`` and the server): validate each prompt with ``params`` against the loaded model,
     then fan out ``params.n`` choices per prompt, prompt-major. Each choice is its own request with n = 1; seeded
     choices get distinct, reproducible seeds (seed + choice index). Raises SamplingParamError (a bad parameter) or
@@ -167,7 +180,8 @@ def make_engine_requests(info: EngineInfo, prompts: Sequence[list[int]], params:
         except ValueError as exc:
             raise PromptError(index, exc) from None
         for choice in range(params.n):
-            seed = None if params.seed is None else params.seed + choice
+            seed = None if params.seed is None else choice_seed(params.seed, choice)
             one = params if params.n == 1 else dataclasses.replace(params, n=1, seed=seed)
-            requests.append(EngineRequest(new_id(), list(prompt), one, max_tokens, arrival_time, cache_salt, priority))
+            requests.append(EngineRequest(new_id(), list(prompt), one, max_tokens, arrival_time, cache_salt, priority,
+                                          cache_scope))
     return requests

@@ -10,10 +10,18 @@ the pool still compares a hit's token ids before handing it out (block_pool.Bloc
 from __future__ import annotations
 
 import hashlib
+import json
 from array import array
 from typing import Sequence
 
 _ROOT = hashlib.sha256(b"tokenmill prefix cache v1").digest()
+
+
+def scoped_salt(scope: str | None, salt: str | None) -> str | None:
+    """The salt a request's blocks are hashed with: its ``scope`` (whose blocks it may share: set by the server from
+    the caller's API key, never by the client) and the client's own ``cache_salt``, encoded together, so that no
+    client's salt can read as another scope's; None when there is neither (every such request shares)."""
+    return None if scope is None and salt is None else json.dumps([scope, salt])
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str | None = None) -> bytes:

@@ -82,11 +82,15 @@ class Tokenizer:
                             ) -> list[int]:
         """``template_kwargs``: more variables for the template (``enable_thinking``, ``reasoning_effort``...)."""
         if not self.hf.chat_template:
-            raise ValueError("this model has no chat template; use a completion prompt instead")
+            raise NoChatTemplate("this model has no chat template; use a completion prompt instead")
         rendered = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                tokenize=False, **(template_kwargs or {}))
         # The template already holds the special tokens it needs (e.g. <|im_start|>).
         return self.encode(rendered, add_special_tokens=False)
+
+
+class NoChatTemplate(ValueError):
+    """The model has no chat template to render messages with."""
 
 
 def _rust_decode(hf):

@@ -12,6 +12,12 @@ from tokenmill.structured.spec import GrammarSpec
 
 
 POOLING_MODES = (None, "last", "mean", "cls")
+# What the engine's per-row arrays hold (engine/input_batch.py: int64): every integer parameter stays within it.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int64(value: int | None) -> bool:
+    return value is None or INT64_MIN <= value <= INT64_MAX
 
 
 class SamplingParamError(ValueError):
@@ -64,28 +70,31 @@ class SamplingParams:
             ("n", self.n >= 1, "must be >= 1"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k >= 0, "must be -1, 0 (disabled) or a positive integer"),
+            ("top_k", 0 <= self.top_k <= INT64_MAX, "must be -1, 0 (disabled) or a positive integer"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
-            ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
+            ("seed", _int64(self.seed), f"must be in [{INT64_MIN}, {INT64_MAX}]"),
+            ("max_tokens", self.max_tokens is None or 1 <= self.max_tokens <= INT64_MAX, "must be >= 1"),
+            ("min_tokens", 0 <= self.min_tokens <= INT64_MAX, "must be >= 0"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "must not exceed max_tokens"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
             ("pooling", self.pooling in POOLING_MODES, f"must be one of {', '.join(map(str, POOLING_MODES))}"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            ("stop_token_ids", all(isinstance(t, int) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
              "must be non-negative token ids"),
         ]
         for param, ok, message in checks:
             if not ok:
                 raise SamplingParamError(param, message)
-        for bias in (self.logit_bias or {}).values():
+        for token, bias in (self.logit_bias or {}).items():
             if not -100.0 <= bias <= 100.0:
                 raise SamplingParamError("logit_bias", "values must be in [-100, 100]")
+            if not 0 <= token <= INT64_MAX:
+                raise SamplingParamError("logit_bias", f"token id {token} is outside the vocabulary")
 
     @property
     def greedy(self) -> bool:

@@ -28,14 +28,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenmill.server.chat import prepare_chat, render_chat, split_reasoning, template_kwargs
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.limits import check_limits
-from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
-from tokenmill.server.serving import ServerContext, Tracker, merged_outputs
+from tokenmill.sampling.params import INT64_MAX
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, Positive, ToolCall, TopK
+from tokenmill.server.serving import ServerContext
+from tokenmill.server.tracker import Tracker
 from tokenmill.tools.parser import ToolCallParser
 from tokenmill.tools.split import reasoning_parser
 
 
-class _Strict(BaseModel):  # Anthropic's API refuses fields it does not know too
-    model_config = ConfigDict(extra="forbid")
+class _Strict(BaseModel):  # Anthropic's API refuses fields it does not know too; numbers bounded as OpenAI's are
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class AnthropicMessage(_Strict):
@@ -59,7 +61,7 @@ class AnthropicToolChoice(_Strict):
 
 class Thinking(_Strict):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(None, ge=1024)  # Anthropic's minimum
+    budget_tokens: int | None = Field(None, ge=1024, le=INT64_MAX)  # Anthropic's minimum
     display: str | None = None
 
 
@@ -83,14 +85,14 @@ class OutputConfig(_Strict):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
+    max_tokens: Positive
     stop_sequences: list[str] | None = None
     stream: bool = False
     output_config: OutputConfig | None = None
     # Older clients' sampling fields (today's SDK sends them through extra_body).
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: TopK | None = None
     # Accepted, without effect on the answer by their definition (routing, caching hints, accounting).
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
@@ -231,8 +233,7 @@ def _message(ctx: ServerContext, content: list[dict], stop: tuple[str, str | Non
 
 async def messages_response(ctx: ServerContext, body: MessagesRequest, tracker: Tracker) -> dict[str, Any]:
     text, reason, stop = "", None, None
-    async for _, out in merged_outputs(ctx.client, tracker.requests):
-        tracker.observe(out)
+    async for _, out in tracker.outputs():
         text += out.delta_text
         reason, stop = out.finish_reason, out.stop_reason
     thinking, text = split_reasoning(ctx, text)
@@ -277,8 +278,7 @@ async def messages_stream(ctx: ServerContext, body: MessagesRequest, tracker: Tr
         return (signature if kind == "thinking" else []) + [_event("content_block_stop", index=block)]
 
     try:
-        async for _, out in merged_outputs(ctx.client, tracker.requests):
-            tracker.observe(out)
+        async for _, out in tracker.outputs():
             thinking, answer = "", out.delta_text
             if reasoner is not None:
                 thinking, answer = reasoner.step(answer, out.finished)

@@ -1,4 +1,5 @@
-"""The FastAPI app: its routers (server/routes/), the error handlers, in-flight accounting and the body-size limit.
+"""The FastAPI app: its routers (server/routes/), the error handlers, in-flight accounting, and the edge in front of
+it all (server/edge.py: request ids, the key checked from the headers, the key's share, the body's bounds).
 
 Lifecycle: the app answers at once; each model's engine loads in a background thread (``/ready`` is 503, and
 ``/v1/*`` for that model, until it is up: server/fleet.py). ``begin_drain`` turns ``/ready`` and new ``/v1/*`` requests to 503 while the
@@ -15,9 +16,10 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from tokenmill.config import EngineConfig
 from tokenmill.server.deps import ServerState
+from tokenmill.server.edge import BodyLimits, KeyGate, RequestIds
 from tokenmill.server.errors import install_error_handlers
-from tokenmill.server.limits import BodySizeLimit
 from tokenmill.server.openapi import install_openapi
 from tokenmill.server.routes import anthropic, health, openai, responses, tokenize, usage
 
@@ -72,9 +74,9 @@ def _version() -> str:
         return "0+unknown"
 
 
-def build_app(state: ServerState, cors_origins: list[str], max_body_bytes: int) -> BodySizeLimit:
-    """The ASGI app to serve: the FastAPI app wrapped in in-flight accounting (kept as state.in_flight) and the
-    body-size limit. Its models start loading (on threads of their own) once the app is up."""
+def build_app(state: ServerState, config: EngineConfig) -> RequestIds:
+    """The ASGI app to serve: the FastAPI app wrapped in in-flight accounting (kept as state.in_flight) and the edge.
+    Its models start loading (on threads of their own) once the app is up."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.fleet.start()
@@ -84,9 +86,11 @@ def build_app(state: ServerState, cors_origins: list[str], max_body_bytes: int) 
     app.state.tokenmill = state
     install_error_handlers(app)
     install_openapi(app)
-    if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"])
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"])
     for router in (health.router, openai.router, responses.router, anthropic.router, tokenize.router, usage.router):
         app.include_router(router)
     state.in_flight = InFlight(RateLimitHeaders(app, state))
-    return BodySizeLimit(state.in_flight, max_body_bytes)
+    body = BodyLimits(state.in_flight, config.max_request_body_bytes, config.body_read_timeout_s, config.max_json_depth)
+    return RequestIds(KeyGate(body, state.auth, state.tenants, state.auth_all_endpoints))

@@ -23,7 +23,12 @@ def load_keys(keys: list[str], key_file: str | None) -> dict[str, str]:
             name, sep, key = line.partition(":")
             if not sep or not name.strip() or not key.strip():
                 raise ValueError(f"{key_file}:{lineno}: expected 'name: key'")
-            named[key.strip()] = name.strip()
+            name, key = name.strip(), key.strip()
+            if key in named:
+                raise ConfigError(f"{key_file}:{lineno}: this key is given twice")
+            if name in named.values():  # two keys of one name would be one tenant: their limits and usage merged
+                raise ConfigError(f"{key_file}:{lineno}: the key name {name!r} is given twice")
+            named[key] = name
     return named
 
 

@@ -5,20 +5,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
 
-from tokenmill.server.errors import APIError, bad_request
+from jinja2.exceptions import TemplateError
+
+from tokenmill.engine.client import NoChatTemplate
+from tokenmill.server.errors import APIError, bad_request, request_id
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.protocol import UNSUPPORTED, ChatCompletionRequest, ChatMessage
-from tokenmill.server.serving import ServerContext, Tracker, make_requests, merged_outputs, sampling_params
+from tokenmill.server.serving import ServerContext, make_requests, sampling_params
+from tokenmill.server.tracker import Tracker
 from tokenmill.server.structured import check, requested_grammar
 from tokenmill.server.tool_calls import ToolPlan, plan_tools, tool_calls_message
 from tokenmill.tools.thinking import after_thinking
 from tokenmill.tools.parser import ToolCallParser
 from tokenmill.tools.prompt import render_messages
 from tokenmill.tools.split import reasoning_parser
+
+log = logging.getLogger(__name__)
 
 
 def _reject_unsupported(body: ChatCompletionRequest) -> None:
@@ -52,10 +59,15 @@ def openai_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-# The template's own arguments: a request's chat_template_kwargs cannot set them.
-_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
-                                     "continue_final_message", "tokenize", "return_dict", "return_tensors",
-                                     "chat_template", "tokenizer_kwargs", "padding", "truncation", "max_length"})
+# What a request's chat_template_kwargs cannot set: the arguments of transformers' apply_chat_template and of its
+# renderer (tests/server/test_hardening_requests.py holds this list to their signatures), the variables the renderer
+# itself gives the template, and the special tokens' names (transformers lets template variables replace them).
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception",
+    "strftime_now", "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens"})
 
 
 def template_kwargs(ctx: ServerContext, requested: dict[str, Any] | None, effort: str | None = None,
@@ -72,7 +84,7 @@ def template_kwargs(ctx: ServerContext, requested: dict[str, Any] | None, effort
         if "enable_thinking" in template:
             kwargs["enable_thinking"] = effort != "none"
     for name in requested or {}:
-        if name in _RESERVED_TEMPLATE_ARGS:
+        if name in RESERVED_TEMPLATE_ARGS:
             raise bad_request(f"{name!r} is set by the server, not by chat_template_kwargs", param=f"{param}.{name}")
     return {**kwargs, **(requested or {})}
 
@@ -93,8 +105,12 @@ async def render_chat(ctx: ServerContext, messages: list[ChatMessage], tools: li
         prompt = await ctx.client.apply_chat_template(rendered, add_generation_prompt,
                                                       tools=plan.tools if plan.native else None,
                                                       template_kwargs=kwargs)
-    except Exception as exc:  # a template may raise anything (jinja errors, its own raise_exception)
+    except (TemplateError, NoChatTemplate) as exc:  # the template's own raise_exception, or no template
         raise bad_request(f"the chat template refused these messages: {exc}", param="messages") from None
+    except Exception:  # anything else a template (or the code under it) may raise: the operator's log has it
+        log.exception("request %s: the chat template failed", request_id())
+        raise bad_request(f"the chat template could not render these messages (request id {request_id()})",
+                          param="messages") from None
     return prompt, plan
 
 
@@ -146,8 +162,7 @@ async def chat_response(ctx: ServerContext, body: ChatCompletionRequest, tracker
     texts = [""] * len(tracker.requests)
     logprobs: list[list] = [[] for _ in tracker.requests]
     reasons: list[str | None] = [None] * len(tracker.requests)
-    async for index, out in merged_outputs(ctx.client, tracker.requests):
-        tracker.observe(out)
+    async for index, out in tracker.outputs():
         texts[index] += out.delta_text
         logprobs[index] += await chat_logprobs(ctx.client, out)
         reasons[index] = out.finish_reason
@@ -192,8 +207,7 @@ async def chat_stream(ctx: ServerContext, body: ChatCompletionRequest, tracker: 
     for index in range(len(tracker.requests)):
         yield chunk(index, {"role": "assistant", "content": ""})
     try:
-        async for index, out in merged_outputs(ctx.client, tracker.requests):
-            tracker.observe(out)
+        async for index, out in tracker.outputs():
             lps = await chat_logprobs(ctx.client, out) if body.logprobs else None
             answer, reasoner = out.delta_text, reasoners[index]
             if reasoner is not None:

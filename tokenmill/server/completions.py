@@ -17,7 +17,8 @@ from tokenmill.engine.messages import EngineRequest, RequestOutput
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.logprobs import completion_logprobs, echo_logprobs, vllm_prompt_logprobs
 from tokenmill.server.protocol import CompletionRequest
-from tokenmill.server.serving import ServerContext, Tracker, make_requests, merged_outputs, sampling_params
+from tokenmill.server.serving import ServerContext, make_requests, sampling_params
+from tokenmill.server.tracker import Tracker
 from tokenmill.server.structured import check, requested_grammar
 
 
@@ -82,8 +83,7 @@ async def completion_response(ctx: ServerContext, body: CompletionRequest, track
     logprobs = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in texts]
     prompt_logprobs: list[list | None] = [None] * len(texts)
     reasons: list[str | None] = [None] * len(texts)
-    async for index, out in merged_outputs(ctx.client, tracker.requests):
-        tracker.observe(out)
+    async for index, out in tracker.outputs():
         if out.prompt_logprobs is not None:
             echo, prompt_logprobs[index] = await _prompt_parts(ctx, body, tracker.requests[index], out)
             if echo is not None:
@@ -122,8 +122,7 @@ async def completion_stream(ctx: ServerContext, body: CompletionRequest, tracker
             sent[index] = len(prefix)
             yield chunk(index, prefix, None, None)
     try:
-        async for index, out in merged_outputs(ctx.client, tracker.requests):
-            tracker.observe(out)
+        async for index, out in tracker.outputs():
             if waits and out.prompt_logprobs is not None:  # the choice's first output: the prompt's part first
                 echo, listed = await _prompt_parts(ctx, body, tracker.requests[index], out)
                 extra = {"prompt_logprobs": listed} if body.prompt_logprobs is not None else {}

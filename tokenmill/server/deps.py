@@ -58,8 +58,10 @@ def server_state(request: Request) -> ServerState:
 
 def api_key(request: Request, state: ServerState = Depends(server_state), authorization: str | None = Header(None),
             x_api_key: str | None = Header(None)) -> str | None:
-    """The caller's key name (None when auth is off); a 401 for a missing or wrong key. Kept in the request's state
-    for the rate-limit headers of its response (server/app.py)."""
+    """The caller's key name (None when auth is off), as the edge checked it (server/edge.py); a 401 for a missing or
+    wrong key. Kept in the request's state for the rate-limit headers of its response (server/app.py)."""
+    if request.scope.get("state", {}).get("key_checked"):
+        return request.state.key_name
     request.state.key_name = name = state.auth.check(authorization, x_api_key)
     return name
 

@@ -10,19 +10,18 @@ import math
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field
-
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.server.errors import bad_request
-from tokenmill.server.protocol import Strict
-from tokenmill.server.serving import ServerContext, Tracker, make_requests, merged_outputs
+from tokenmill.server.protocol import Positive, Strict, TokenId
+from tokenmill.server.serving import ServerContext, make_requests
+from tokenmill.server.tracker import Tracker
 
 
 class EmbeddingRequest(Strict):
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: Positive | None = None
     user: str | None = None
 
 
@@ -77,8 +76,7 @@ def _finish(ctx: ServerContext, vector: list[float], dimensions: int | None, enc
 
 async def embeddings_response(ctx: ServerContext, body: EmbeddingRequest, tracker: Tracker) -> dict[str, Any]:
     vectors: list[list[float] | None] = [None] * len(tracker.requests)
-    async for index, out in merged_outputs(ctx.client, tracker.requests):
-        tracker.observe(out)
+    async for index, out in tracker.outputs():
         if out.embedding is not None:
             vectors[index] = out.embedding
     data = [{"object": "embedding", "index": i, "embedding": _finish(ctx, v, body.dimensions, body.encoding_format)}

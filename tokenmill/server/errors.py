@@ -1,8 +1,13 @@
-"""Errors as OpenAI-shaped data: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+"""Errors as OpenAI-shaped data: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+
+Tenants get an error's kind and the request's id (the ``x-request-id`` header of every response, server/edge.py);
+exception text, paths and stack traces go to the operator's log only, under that id."""
 
 from __future__ import annotations
 
 import logging
+import uuid
+from contextvars import ContextVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -10,6 +15,22 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
+
+
+# The id of the HTTP request being served (set at the edge, server/edge.py; read wherever an error or log names it).
+_request_id: ContextVar[str | None] = ContextVar("tokenmill_request_id", default=None)
+
+
+def new_request_id() -> str:
+    """A fresh id for an HTTP request, made current for the task serving it (and the tasks it starts)."""
+    rid = f"req_{uuid.uuid4().hex}"
+    _request_id.set(rid)
+    return rid
+
+
+def request_id() -> str:
+    """The current HTTP request's id ("-" outside one)."""
+    return _request_id.get() or "-"
 
 
 class APIError(Exception):
@@ -67,8 +88,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return APIError(500, "internal error", "server_error").response(request.url.path)
+        log.exception("request %s: unhandled error", request_id())
+        return APIError(500, f"The server had an error while processing your request (request id {request_id()}).",
+                        "server_error").response(request.url.path)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:

@@ -170,22 +170,23 @@ class ModelHost:
 
     # --- requests
     def context(self) -> ServerContext:
-        """The serving context, or a 503 that says why there is none (with Retry-After where it will pass)."""
+        """The serving context, or a 503 that says why there is none (with Retry-After where it will pass); what
+        failed is in the operator's log, not in the answer (an exception's text names paths and devices)."""
         ctx, status = self.ctx, self.status
         if ctx is not None and ctx.client.healthy:
             self.last_used = time.monotonic()
             return ctx
         if status == "restarting":
-            raise unavailable(f"The model `{self.name}` is restarting after its engine failed ({self.error}).",
+            raise unavailable(f"The model `{self.name}` is restarting after its engine failed.",
                               self.retry_at - time.monotonic() + 1)
         if status == "failed" and not self.restart and not self.on_demand:
-            raise unavailable(f"The engine has failed ({self.error}); the server needs a restart.")
+            raise unavailable("The engine has failed; the server needs a restart.")
         if status == "failed":
-            raise unavailable(f"The model `{self.name}` failed to load: {self.error}")
+            raise unavailable(f"The model `{self.name}` failed to load.")
         if status == "unloaded":
             raise unavailable(f"The model `{self.name}` is not loaded.", 5)
         if status == "ready":  # its engine died a moment ago; its failure callback is on its way
-            raise unavailable(f"The model `{self.name}` has failed ({ctx.client.error if ctx else 'no engine'}).", 5)
+            raise unavailable(f"The model `{self.name}` has failed.", 5)
         raise unavailable("The model is still loading." if self.name is None else
                           f"The model `{self.name}` is still loading.", 5)
 

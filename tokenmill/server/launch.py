@@ -119,8 +119,10 @@ def open_ledger(config: EngineConfig) -> UsageLedger | None:
 def build_state(config: EngineConfig, on_fatal: Callable[[ModelHost, BaseException], None]) -> ServerState:
     """The server's state: its models (one, or the [[models]] of the config, checked against the machine's memory
     first) and the services they share."""
-    metrics, tenants = Metrics(), Tenants(config.keys)
-    responses = ResponseStore(config.responses_store_max_count, config.responses_store_max_bytes)
+    metrics, tenants = Metrics(per_key=config.metrics_per_key), Tenants(config.keys)
+    responses = ResponseStore(config.responses_store_max_count, config.responses_store_max_bytes,
+                              config.responses_store_max_count_per_key, config.responses_store_max_bytes_per_key,
+                              config.responses_store_max_item_bytes)
     ledger = open_ledger(config)
     load = model_loader(metrics, tenants, responses, ledger)
     if not config.models:
@@ -132,6 +134,14 @@ def build_state(config: EngineConfig, on_fatal: Callable[[ModelHost, BaseExcepti
     fleet = Fleet(hosts, config.routes, config.max_loaded_models, config.idle_unload_s, config.load_wait_s)
     return ServerState(authenticator_for(config), config.auth_all_endpoints, fleet, metrics, tenants, responses,
                        ledger)
+
+
+def connection_limits(config: EngineConfig) -> dict:
+    """uvicorn's bounds on what one client can hold before a request reaches the app: connections at once (503
+    beyond), the request line and headers (h11, so that the bound applies whatever is installed), idle keep-alive."""
+    return dict(http="h11", limit_concurrency=config.max_connections,
+                h11_max_incomplete_event_size=config.max_header_bytes,
+                timeout_keep_alive=max(1, round(config.keep_alive_timeout_s)))
 
 
 def serve(config: EngineConfig) -> int:
@@ -146,9 +156,9 @@ def serve(config: EngineConfig) -> int:
         threading.Timer(delay, lambda: setattr(server, "should_exit", True)).start()
 
     state = build_state(config, model_failed)
-    asgi = build_app(state, config.cors_origins, config.max_request_body_bytes)
+    asgi = build_app(state, config)
     uv_config = uvicorn.Config(asgi, host=config.host, port=config.port, log_config=None,
-                               timeout_graceful_shutdown=1, access_log=False)
+                               timeout_graceful_shutdown=1, access_log=False, **connection_limits(config))
     server = DrainingServer(uv_config, state, config.shutdown_timeout)
     log.info("listening on http://%s:%d", config.host, config.port)
     try:

@@ -1,13 +1,12 @@
 """Bounds on one request's size, each a clear 400 naming the parameter. The bounds are defined once, as EngineConfig's
 ``max_*`` server fields, and read from there. They keep one request from costing the server out of proportion: a
 long stop string sets the detokenizer's hold-back and is searched every step; logit_bias and stop_token_ids are
-applied per step; n and prompt lists multiply everything; a body is read into memory before it is parsed."""
+applied per step; n and prompt lists multiply everything. The body itself is bounded at the edge (server/edge.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 from tokenmill.config import EngineConfig
+from tokenmill.engine.messages import EngineRequest
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol import CompletionRequest, SamplingFields
 
@@ -32,44 +31,24 @@ def check_limits(body: SamplingFields, limits: EngineConfig) -> None:
     _at_most(len(getattr(body, "tools", None) or []), limits.max_tools, "tools", "tools")
 
 
-class BodySizeLimit:
-    """ASGI middleware: a request body over ``limit`` bytes is answered with a 400 before it is parsed, whether the
-    client announced its length or streamed it in chunks (then it is read here, at most limit + 1 bytes, and handed
-    on whole)."""
+# What one entry of a request's output costs the API process, about (a candidate token's dict as built and as JSON;
+# one float of an embedding as a Python float in a list and as JSON).
+LOGPROB_ENTRY_BYTES = 256
+EMBEDDING_FLOAT_BYTES = 24
 
-    def __init__(self, app: Any, limit: int):
-        self.app, self.limit = app, limit
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit():
-            if int(declared) > self.limit:
-                return await self._refuse(scope, receive, send)
-            return await self.app(scope, receive, send)
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > self.limit:
-                return await self._refuse(scope, receive, send)
-        body, replayed = b"".join(chunks), False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
-        error = bad_request(f"the request body is larger than this server's limit of {self.limit} bytes",
-                            code="request_too_large")
-        await error.response(scope.get("path", ""))(scope, receive, send)
+def check_output_budget(requests: list[EngineRequest], hidden_size: int, limits: EngineConfig) -> None:
+    """A 400 naming the field when what the requests will make the server build -- the prompt logprobs (prompts x
+    choices x positions x candidates) or the embeddings (inputs x dimensions) -- is over the request budget."""
+    budget = limits.request_output_budget_bytes
+    for field, what, entries, size in (
+            ("prompt_logprobs", "prompt logprobs", sum(len(r.prompt_token_ids) * (1 + r.params.prompt_logprobs)
+                                                       for r in requests if r.params.prompt_logprobs is not None),
+             LOGPROB_ENTRY_BYTES),
+            ("input", "embeddings", hidden_size * sum(1 for r in requests if r.params.pooling is not None),
+             EMBEDDING_FLOAT_BYTES)):
+        if entries * size > budget:
+            raise bad_request(f"{what}: this request asks for {entries} values (about {entries * size} bytes to "
+                              f"build), more than the {budget} bytes this server builds for one request "
+                              f"(request_output_budget_bytes); send fewer prompts, choices or candidates",
+                              param=field, code="limit_exceeded")

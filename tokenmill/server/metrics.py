@@ -101,8 +101,11 @@ class _EngineCollector(Collector):
 class Metrics:
     """One registry for every model of the server; each model's series carry its ``model_name``."""
 
-    def __init__(self):
+    def __init__(self, per_key: bool = False):
         self.registry = CollectorRegistry()
+        # Series per API key name only where the operator asks (metrics_per_key): /metrics is often scraped by whoever
+        # runs the monitoring, and key names name tenants.
+        self.per_key = per_key
         r, labels = self.registry, ["model_name"]
         self.ttft = Histogram(P + "time_to_first_token_seconds", "First token sent - arrival.", labels,
                               buckets=_TTFT_BUCKETS, registry=r)
@@ -145,6 +148,9 @@ class Metrics:
     def add_model(self, model: str, engine: Callable[[], "tuple[EngineClient, Admission] | None"]) -> None:
         """The series of one served model; ``engine`` gives its client and admission while it is loaded."""
         # Known label values start at 0, so rate() and the dashboard see the series before the first event.
+        for series in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode,
+                       self.prompt_tokens, self.generation_tokens, self.engine_seconds):
+            series.labels(model)
         for reason in REJECT_REASONS:
             self.rejected.labels(model, reason)
         for finish_reason in ("stop", "length"):
@@ -155,7 +161,7 @@ class Metrics:
     def account(self, model: str, key_name: str | None, usage: Usage) -> None:
         """One request's usage (server/ledger.py): the model's engine time, and the key's series."""
         self.engine_seconds.labels(model).inc(usage.engine_seconds)
-        if key_name:
+        if key_name and self.per_key:
             self.key_requests.labels(model, key_name, "error" if usage.errors else "ok").inc()
             for kind, tokens in (("prompt", usage.prompt_tokens), ("cached", usage.cached_tokens),
                                  ("generation", usage.completion_tokens)):

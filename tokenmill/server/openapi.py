@@ -10,6 +10,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from tokenmill.sampling.params import INT64_MAX, INT64_MIN
+
 
 class ErrorDetail(BaseModel):
     message: str
@@ -188,6 +190,21 @@ def anthropic_error_responses(*statuses: int) -> dict[int, dict[str, Any]]:
     return {s: {"model": AnthropicErrorResponse, "description": _ERRORS[s]} for s in statuses}
 
 
+def _exact_integer_bounds(node: Any) -> None:
+    """FastAPI writes an integer's bounds as floats: int64's ends become 2**63 and -2**63 (one past the largest int64).
+    Put back the integers the models hold (server/protocol.py: INT64_MIN..INT64_MAX)."""
+    if isinstance(node, list):
+        for item in node:
+            _exact_integer_bounds(item)
+    elif isinstance(node, dict):
+        if node.get("type") == "integer":
+            for bound in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if isinstance(node.get(bound), float):
+                    node[bound] = max(INT64_MIN, min(INT64_MAX, int(node[bound])))
+        for value in node.values():
+            _exact_integer_bounds(value)
+
+
 def install_openapi(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -197,6 +214,7 @@ def install_openapi(app: FastAPI) -> None:
                     operation.get("responses", {}).pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
+            _exact_integer_bounds(schema)
             app.openapi_schema = schema
         return app.openapi_schema
     app.openapi = openapi

@@ -10,13 +10,21 @@ OpenAI answers. Accepted fields are of three kinds:
   (``UNSUPPORTED``), never a silent drop.
 ``reasoning_effort`` and ``chat_template_kwargs`` reach the chat template (server/chat.py ``template_kwargs``).
 Sizes (stop strings, logit_bias entries, prompts, the body) are bounded by server/limits.py.
+
+Every number of every request body is bounded here, where it is parsed: integers through the bounded types below
+(within what the engine's int64 arrays hold, tighter where the field says so; token ids are then held to the model's
+vocabulary, token counts to its context), floats finite (``allow_inf_nan=False``: NaN and Infinity are a 400), so no
+value that passes validation can overflow anything downstream.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tokenmill.sampling.params import INT64_MAX, INT64_MIN
 
 # OpenAI's own fields that tokenmill refuses, with the reason given in the 400.
 UNSUPPORTED = {
@@ -31,8 +39,17 @@ UNSUPPORTED = {
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
+# The bounded integers of the API: what the engine's int64 arrays hold.
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # a number of things (tokens, candidates); ranges may be tighter
+Positive = Annotated[int, Field(ge=1, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # then held to the model's vocabulary
+TopK = Annotated[int, Field(ge=-1, le=INT64_MAX)]  # -1 and 0: off; above the vocabulary: every token
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")  # ASCII digits only: int() also reads "²" and "١" as digits
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
 class StreamOptions(Strict):
@@ -67,11 +84,11 @@ class SamplingFields(Strict):
     """Fields shared by both endpoints; ranges are checked again by SamplingParams."""
 
     model: str
-    n: int = Field(1, ge=1)
+    n: Positive = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -92,12 +109,12 @@ class SamplingFields(Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # vLLM's sampling extensions.
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Count = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM's prefix-cache isolation: requests share cached prompt blocks only with requests of the same salt.
@@ -114,7 +131,7 @@ class SamplingFields(Strict):
     @classmethod
     def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.lstrip("-").isdigit():
+            if not _TOKEN_ID_KEY.fullmatch(key) or not 0 <= int(key) <= INT64_MAX:
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return value
 
@@ -174,8 +191,8 @@ class NamedToolChoice(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Positive | None = None
+    max_completion_tokens: Positive | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
@@ -195,13 +212,13 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Positive | None = 16
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: the prompt tokens' logprobs, per choice
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Positive | None = None
 
 
 class TokenizeRequest(Strict):
@@ -221,4 +238,4 @@ class TokenizeRequest(Strict):
 
 class DetokenizeRequest(Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

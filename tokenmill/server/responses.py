@@ -27,8 +27,10 @@ from tokenmill.server.chat import prepare_chat, split_reasoning
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.limits import check_limits
 from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.response_store import stored_size
 from tokenmill.server.responses_input import ResponsesRequest, chat_messages, check_served, input_items
-from tokenmill.server.serving import ServerContext, Tracker, merged_outputs
+from tokenmill.server.serving import ServerContext
+from tokenmill.server.tracker import Tracker
 from tokenmill.tools.split import reasoning_parser
 
 
@@ -92,6 +94,10 @@ async def prepare_response(ctx: ServerContext, body: ResponsesRequest, key_name:
         first = exc.errors()[0]
         raise bad_request(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
     check_limits(chat, ctx.config)
+    if body.store and stored_size({}, conversation) > ctx.responses.max_item_bytes:
+        raise bad_request(f"this conversation is larger than the {ctx.responses.max_item_bytes} bytes a stored "
+                          "response may take (responses_store_max_item_bytes); send store: false, or less input",
+                          param="store", code="limit_exceeded")
     tracker = await prepare_chat(ctx, chat, key_name, arrival, endpoint="responses")
     return Exchange(body, key_name, tracker, conversation)
 
@@ -161,8 +167,7 @@ def _status(reason: str | None) -> tuple[str, str | None]:
 
 async def whole_response(ctx: ServerContext, ex: Exchange) -> dict[str, Any]:
     text, reason = "", None
-    async for _, out in merged_outputs(ctx.client, ex.tracker.requests):
-        ex.tracker.observe(out)
+    async for _, out in ex.tracker.outputs():
         text += out.delta_text
         reason = out.finish_reason
     thinking, text = split_reasoning(ctx, text)
@@ -263,8 +268,7 @@ async def response_stream(ctx: ServerContext, ex: Exchange) -> AsyncIterator[dic
     reasoner = reasoning_parser(ctx.reasoning) if ctx.reasoning else None
     reason, reasoning = None, ""
     try:
-        async for _, out in merged_outputs(ctx.client, ex.tracker.requests):
-            ex.tracker.observe(out)
+        async for _, out in ex.tracker.outputs():
             thinking, answer = "", out.delta_text
             if reasoner is not None:
                 thinking, answer = reasoner.step(answer, out.finished)

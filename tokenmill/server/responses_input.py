@@ -17,8 +17,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from tokenmill.server.errors import bad_request
-from tokenmill.server.protocol import (ChatMessage, FunctionCall, ReasoningEffort, Strict, StructuredOutputs,
-                                       ToolCall)
+from tokenmill.server.protocol import (ChatMessage, FunctionCall, Int64, Positive, ReasoningEffort, Strict,
+                                       StructuredOutputs, ToolCall, TopK)
 
 
 class FunctionTool(Strict):
@@ -75,7 +75,7 @@ class ResponsesRequest(Strict):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Positive | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     reasoning: Reasoning | None = None
@@ -87,8 +87,8 @@ class ResponsesRequest(Strict):
     # vLLM's extensions, as chat completions takes them.
     chat_template_kwargs: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None
-    top_k: int | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    top_k: TopK | None = None
+    seed: Int64 | None = None
     logit_bias: dict[str, float] | None = None
     # Accepted, without effect on the answer by their definition (accounting, routing and caching hints).
     metadata: dict[str, str] | None = None

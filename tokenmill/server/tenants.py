@@ -1,16 +1,20 @@
-"""Keys as tenants (the ``[[keys]]`` of the config, tokenmill/key_policy.py): which models a key may use, and its
-request and token rates.
+"""Keys as tenants (the ``[[keys]]`` of the config, tokenmill/key_policy.py): which models a key may use, its request
+and token rates, and how many of its requests may be open at once.
 
 Rates are token buckets, as OpenAI's limits behave: a bucket holds up to ``limit`` (per minute) and refills at
-``limit / 60`` a second, starting full. A request takes one from the key's request bucket and its promise (prompt +
-max_tokens over every choice) from its token bucket, both or neither; when the response is over the promise is
-settled to the tokens really used (the difference goes back). A request that does not fit is a 429 with
-``Retry-After`` (whole seconds until both buckets hold enough); one whose promise is more than the token bucket can
-ever hold is a 429 that says so. Every response to a key with limits carries OpenAI's headers
-(``x-ratelimit-limit|remaining|reset-requests|tokens``), read when the response starts (server/app.py).
+``limit / 60`` a second, starting full. Charged before any work is done for the request:
+- at the edge (``enter``, server/edge.py), before its body is read: one from the key's request bucket, provided its
+  token bucket is not empty and fewer than ``max_concurrent`` of its requests are open (``leave`` when the response
+  is over). A request refused later (a 400, say) has still used its request.
+- once its promise is known (``charge``: prompt + max_tokens over every choice), before admission: the promise from
+  the token bucket, settled to the tokens really used when the engine is done with it (the difference goes back).
+A request that does not fit is a 429 with ``Retry-After`` (whole seconds until the buckets hold enough); one whose
+promise is more than the token bucket can ever hold is a 429 that says so. Every response to a key with limits
+carries OpenAI's headers (``x-ratelimit-limit|remaining|reset-requests|tokens``), read when the response starts
+(server/app.py).
 
-Invariant: a Charge is taken once (``Tenants.charge``) and settled once, by the request's Tracker (server/serving.py)
-when the response is over, however it ended.
+Invariant: a Charge is taken once (``Tenants.charge``) and settled once, by the request's Tracker (server/tracker.py)
+when the engine is done with the request, however it ended; a request that ``enter``ed ``leave``s once.
 """
 
 from __future__ import annotations
@@ -91,6 +95,28 @@ class KeyLimits:
         self.policy = policy
         self.requests = TokenBucket(policy.rpm, clock) if policy.rpm else None
         self.tokens = TokenBucket(policy.tpm, clock) if policy.tpm else None
+        self.open = 0  # requests that entered and have not left
+
+    def enter(self) -> None:
+        """Take one request (a 429 saying which limit when it does not fit), and count it open until ``leave``."""
+        name, cap = self.policy.name, self.policy.max_concurrent
+        if cap is not None and self.open >= cap:
+            raise APIError(429, f"Too many requests at once for key {name!r}: its limit is {cap} open requests. "
+                                "Retry when one has finished.", "requests", code="concurrency_limit_exceeded",
+                           headers={**self.headers(), "Retry-After": "1"})
+        self._wait({"requests per minute (RPM)": self.requests.wait_for(1) if self.requests else 0.0,
+                    "tokens per minute (TPM)": self.tokens.wait_for(1) if self.tokens else 0.0})
+        if self.requests is not None:
+            self.requests.take(1)
+        self.open += 1
+
+    def _wait(self, waits: dict[str, float]) -> None:
+        limit, wait = max(waits.items(), key=lambda item: item[1])
+        if wait > 0:
+            retry_after = str(math.ceil(wait - 1e-6))  # whole seconds (a float's last bit never adds one)
+            raise APIError(429, f"Rate limit reached for key {self.policy.name!r} on {limit}. Please try again in "
+                                f"{duration(wait)}.", "requests" if "RPM" in limit else "tokens",
+                           code="rate_limit_exceeded", headers={**self.headers(), "Retry-After": retry_after})
 
     def headers(self) -> dict[str, str]:
         out = {}
@@ -102,22 +128,14 @@ class KeyLimits:
         return out
 
     def charge(self, tokens: int) -> Charge:
-        """Take one request and ``tokens`` from the buckets, or raise the 429 that says which limit and when."""
+        """Take ``tokens`` (the request's promise) from the token bucket, or raise the 429 that says when. The request
+        itself was taken at the edge (``enter``); the Charge can give it back (``refund``)."""
         name = self.policy.name
         if self.tokens is not None and tokens > self.tokens.limit:
             raise APIError(429, f"Request too large for key {name!r}: {tokens} tokens requested (prompt + "
                                 f"max_tokens), its limit is {self.tokens.limit} tokens per minute. Lower max_tokens "
                                 "or the prompt.", "tokens", code="rate_limit_exceeded", headers=self.headers())
-        waits = {"requests per minute (RPM)": self.requests.wait_for(1) if self.requests else 0.0,
-                 "tokens per minute (TPM)": self.tokens.wait_for(tokens) if self.tokens else 0.0}
-        limit, wait = max(waits.items(), key=lambda item: item[1])
-        if wait > 0:
-            retry_after = str(math.ceil(wait - 1e-6))  # whole seconds (a float's last bit never adds one)
-            raise APIError(429, f"Rate limit reached for key {name!r} on {limit}. Please try again in "
-                                f"{duration(wait)}.", "requests" if "RPM" in limit else "tokens",
-                           code="rate_limit_exceeded", headers={**self.headers(), "Retry-After": retry_after})
-        if self.requests is not None:
-            self.requests.take(1)
+        self._wait({"tokens per minute (TPM)": self.tokens.wait_for(tokens) if self.tokens else 0.0})
         if self.tokens is not None:
             self.tokens.take(tokens)
         return Charge(self.tokens, tokens if self.tokens is not None else 0, request_bucket=self.requests)
@@ -146,9 +164,29 @@ class Tenants:
             raise APIError(404, f"The model `{model}` does not exist or you do not have access to it.",
                            "invalid_request_error", param="model", code="model_not_found")
 
+    def enter(self, key_name: str | None) -> None:
+        """At the edge, before any work for the request (see the module docstring)."""
+        limits = self._of(key_name)
+        if limits is not None:
+            limits.enter()
+
+    def leave(self, key_name: str | None) -> None:
+        limits = self._of(key_name)
+        if limits is not None:
+            limits.open -= 1
+
     def charge(self, key_name: str | None, tokens: int) -> Charge:
         limits = self._of(key_name)
         return limits.charge(tokens) if limits is not None else NO_CHARGE
+
+    def cache_scope(self, key_name: str | None) -> str | None:
+        """Whose prefix-cache blocks a request of this key may share: its ``cache_group``'s, else its own; None (everybody's)
+        on a server without keys."""
+        if key_name is None:
+            return None
+        limits = self._of(key_name)
+        group = limits.policy.cache_group if limits is not None else None
+        return f"group:{group}" if group else f"key:{key_name}"
 
     def priority(self, key_name: str | None, service_tier: str | None) -> int:
         """The scheduling priority of a request (scheduler/priority.py): batch for a batch key, or when the request

@@ -5,8 +5,11 @@ engine do while it runs. All of it happens in a child process with a time budget
 compiles larger than ``max_bytes`` or takes longer than ``timeout_s`` is refused (the server answers 400 naming its
 field) before it reaches the engine, and a check over its time is ended by killing the child (an xgrammar call
 cannot be interrupted), never waited for. Verdicts are remembered (LRU), so a schema that comes with every request
-is checked once, and a client that retries a refused grammar costs the server nothing more. Two checks run at once,
-a child each, so that one costly grammar does not hold up the next new one.
+is checked once, and a client that retries a refused grammar costs the server nothing more; the verdicts kept are
+bounded by the bytes of their grammars' text (``cache_bytes``). Two checks run at once, a child each, so that one
+costly grammar does not hold up the next new one. A child's address space may grow by at most ``memory_bytes`` past
+what it holds once ready (RLIMIT_AS): a grammar that needs more fails its check ("exhausted the checker's memory")
+instead of pushing the host into swap.
 
 Why a walk: some grammars compile in milliseconds and still blow up later -- ``(a+)+`` repeated 200 times makes
 xgrammar's matcher slower with every ``a`` it accepts (10 ms at the 8th token, 90 ms at the 12th) and its jump-forward
@@ -36,11 +39,13 @@ class CheckerUnavailable(RuntimeError):
 
 class GrammarChecker:
     def __init__(self, tokenizer_info_json: str, stop_token_ids: list[int], timeout_s: float, max_bytes: int,
-                 cache_size: int = 256, children: int = 2):
-        self.timeout_s, self.max_bytes, self.cache_size = timeout_s, max_bytes, cache_size
-        self._child_args = (tokenizer_info_json, list(stop_token_ids), max_bytes)
-        # spec -> None (it passed) or (the error's class, its message): raised afresh for each request
+                 cache_bytes: int = 16 * 2**20, children: int = 2, memory_bytes: int | None = None):
+        self.timeout_s, self.max_bytes, self.cache_bytes = timeout_s, max_bytes, cache_bytes
+        self._child_args = (tokenizer_info_json, list(stop_token_ids), max_bytes, memory_bytes)
+        # spec -> None (it passed) or (the error's class, its message): raised afresh for each request. Invariant:
+        # ``_cached_bytes`` is the sum of the kept specs' text lengths, at most ``cache_bytes``.
         self._verdicts: OrderedDict[GrammarSpec, tuple[type[GrammarError], str] | None] = OrderedDict()
+        self._cached_bytes = 0
         self._slots = threading.Semaphore(children)  # checks at once, one child each (started when first needed)
         self._idle: list[_Child] = []
         self._lock = threading.Lock()  # guards _verdicts and _idle
@@ -55,12 +60,22 @@ class GrammarChecker:
                 verdict = self._verdicts[spec]
         if not known:
             verdict = self._trial(spec)
-            with self._lock:
-                self._verdicts[spec] = verdict
-                if len(self._verdicts) > self.cache_size:
-                    self._verdicts.popitem(last=False)
+            self._remember(spec, verdict)
         if verdict is not None:
             raise verdict[0](verdict[1])
+
+    def _remember(self, spec: GrammarSpec, verdict: tuple[type[GrammarError], str] | None) -> None:
+        size = len(spec.value)
+        if size > self.cache_bytes:
+            return
+        with self._lock:
+            if spec in self._verdicts:  # a concurrent check of the same spec got there first
+                return
+            self._verdicts[spec] = verdict
+            self._cached_bytes += size
+            while self._cached_bytes > self.cache_bytes:
+                old, _ = self._verdicts.popitem(last=False)
+                self._cached_bytes -= len(old.value)
 
     def close(self) -> None:
         with self._lock:
@@ -74,7 +89,9 @@ class GrammarChecker:
                 child = self._idle.pop() if self._idle else None
             child = child or _Child(self._child_args)
             verdict, detail = child.trial(spec, self.timeout_s)
-            if child.alive:
+            if verdict == "died":
+                child.kill()  # it reported its own memory error: it ends, or is ended, here
+            elif child.alive:
                 with self._lock:
                     self._idle.append(child)
         if verdict == "ok":
@@ -140,7 +157,17 @@ class _Child:
         self.conn.close()
 
 
-def _child_main(conn, tokenizer_info_json: str, stop_token_ids: list[int], max_bytes: int) -> None:
+def _limit_address_space(extra_bytes: int) -> None:
+    """RLIMIT_AS at this process's address space now plus ``extra_bytes``: what one grammar may add."""
+    import resource
+
+    with open("/proc/self/statm") as fh:
+        size = int(fh.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (size + extra_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def _child_main(conn, tokenizer_info_json: str, stop_token_ids: list[int], max_bytes: int,
+                memory_bytes: int | None) -> None:
     from tokenmill.runtime import exit_with_parent
 
     exit_with_parent()
@@ -156,6 +183,8 @@ def _child_main(conn, tokenizer_info_json: str, stop_token_ids: list[int], max_b
     lengths = np.array([len(piece) for piece in vocab], dtype=np.int64)
     stops = set(stop_token_ids)
     width = -(-info.vocab_size // 32)
+    if memory_bytes is not None and hasattr(__import__("resource"), "RLIMIT_AS"):
+        _limit_address_space(memory_bytes)
 
     def decode(token: int) -> str:
         return vocab[token].decode("utf-8", errors="replace")
@@ -165,6 +194,8 @@ def _child_main(conn, tokenizer_info_json: str, stop_token_ids: list[int], max_b
             compiled = compiler.compile_grammar(build_grammar(spec))
         except GrammarError as exc:
             return "invalid", str(exc)
+        except MemoryError:
+            return "died", None
         except Exception as exc:  # noqa: BLE001 - xgrammar's own error types
             return "invalid", _clean(exc)
         if compiled.memory_size_bytes > max_bytes:
@@ -193,4 +224,9 @@ def _child_main(conn, tokenizer_info_json: str, stop_token_ids: list[int], max_b
             spec = conn.recv()
         except EOFError:
             return
-        conn.send(trial(spec))
+        try:
+            verdict = trial(spec)
+        except MemoryError:  # past RLIMIT_AS in the walk: this child may be in no state to go on
+            conn.send(("died", None))
+            return
+        conn.send(verdict)

@@ -22,22 +22,26 @@ from tokenmill.server.openapi import error_responses
 
 router = APIRouter(prefix="/v1")
 COLUMNS = ("hour", "hour_utc", "key", "model", *COUNTS, "cost_usd")
+LATEST = 253402300799  # 9999-12-31T23:59:59Z: the last second ISO 8601 (and the ledger's hour column) can name
 
 
 def _time(value: str | None, param: str) -> int | None:
+    """Unix seconds (an integer or a float) or an ISO 8601 time, within [0, LATEST]; a 400 naming ``param``."""
     if value is None:
         return None
+    seconds: float | None = None
     try:
-        return int(float(value))
-    except OverflowError:
-        raise APIError(400, f"{param}: out of range: {value!r}", param=param) from None
+        seconds = float(value)
     except ValueError:
-        pass
-    try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise APIError(400, f"{param}: not unix seconds or an ISO 8601 time: {value!r}", param=param) from None
-    return int((moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp())
+        try:
+            moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            raise APIError(400, f"{param}: not unix seconds or an ISO 8601 time: {value[:64]!r}", param=param) \
+                from None
+        seconds = (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
+    if not 0 <= seconds <= LATEST:  # NaN fails this too
+        raise APIError(400, f"{param}: out of range (0 to {LATEST} unix seconds): {value[:64]!r}", param=param)
+    return int(seconds)
 
 
 @router.get("/usage", response_model=None, responses=error_responses(400, 401, 403, 404, 503))
