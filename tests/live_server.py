@@ -77,14 +77,14 @@ def start_server(tmp_path, *args: str, ready_timeout: float = 120.0) -> LiveServ
     return server
 
 
-def wait_ready(root: str, process: subprocess.Popen, timeout: float, log) -> None:
+def wait_ready(root: str, process: subprocess.Popen, timeout: float, log, headers: dict | None = None) -> None:
     """Until ``root``/ready answers 200; RuntimeError with ``log()`` if the process exits or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{log()}")
         try:
-            if httpx.get(root + "/ready", timeout=2).status_code == 200:
+            if httpx.get(root + "/ready", timeout=2, headers=headers).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -140,7 +140,9 @@ def inprocess_server(**config):
         def poll():
             return None if thread.is_alive() else 1
     try:
-        wait_ready(root, Alive, 120, lambda: "the in-process server did not become ready")
+        keys = [*engine_config.api_key, *(k.key for k in engine_config.keys if k.key)]
+        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else None  # /ready may want one (auth_all_endpoints)
+        wait_ready(root, Alive, 120, lambda: "the in-process server did not become ready", headers)
         yield root, state
     finally:
         server.should_exit = True

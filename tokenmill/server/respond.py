@@ -61,7 +61,8 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 async def respond(request: Request, tracker: Tracker, stream: AsyncIterator[str | dict] | None,
                   make_body: Callable[[], Awaitable[dict]]) -> Any:
     """The stream as SSE events, or the body (499 when the client left first). From here on the response owns the
-    tracker: every way out closes it once."""
+    tracker: every way out closes it once. The engine starts at once, before the response's first byte is taken."""
+    tracker.start()
     if stream is not None:
         config = tracker.ctx.config
         tracker.buffer_limit = config.stream_buffer_bytes

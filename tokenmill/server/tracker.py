@@ -12,7 +12,7 @@ queue (``buffer_limit``): a reader that falls that far behind has its engine req
 an error. ``close`` (the response is over, however it ended) stops the pumps, which aborts what still runs.
 
 Invariant: the reservation is released and the charge settled exactly once (``_release``), by the first of: the engine
-finishing the last engine request, or ``close``.
+finishing the last engine request, the outputs failing (their engine requests aborted), or ``close``.
 """
 
 from __future__ import annotations
@@ -82,12 +82,16 @@ class Tracker:
         self._progress = {r.request_id: _Progress(r) for r in self.requests}
 
     # --- the engine's side
+    def start(self) -> None:
+        """Submit the engine requests (once): the engine works from here on, however slowly the response is read."""
+        if not self._pumps:
+            self._pumps = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(self.requests)]
+
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Each engine request's outputs as they come, tagged with the request's index, observed for the metrics as
         they are taken. Raises the APIError that stopped them early (the engine failed, a stream fell too far
         behind, the engine refused one mid-way)."""
-        if not self._pumps:
-            self._pumps = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(self.requests)]
+        self.start()
         done = 0
         while done < len(self._pumps):
             if self._failure is not None:
@@ -123,13 +127,15 @@ class Tracker:
             self._queue.put_nowait(None)
 
     def _fail(self, error: APIError) -> None:
-        """Stop every pump (which aborts their engine requests) and end the outputs with ``error``."""
+        """Stop every pump (which aborts their engine requests), release what the request holds, and end the outputs
+        with ``error``."""
         if self._failure is None:
             self._failure = error
             log.warning("request %s cut off: %s", request_id(), error.code)
         for task in self._pumps:
             if task is not asyncio.current_task():
                 task.cancel()
+        self._release()
         self._queue.put_nowait(None)  # wakes a reader waiting on the queue
 
     def _engine_output(self, out: RequestOutput) -> None:
