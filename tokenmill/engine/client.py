@@ -6,8 +6,8 @@ logprobs -- each call on a worker thread), the front-end path that validates req
 (engine/messages.py's ``make_engine_requests``, shared with ``LLM``), the grammar checker (structured/checker.py:
 compile and try a grammar in a child process, with a time and size budget), and a queue per live request fed by the
 engine's outputs. Work done for callers (tokenizing, templates, grammar checks) queues per caller and is served
-round-robin (tokenmill/fair.py), so one API key's many requests cannot hold up another's. The engine core itself runs in a child process (engine/process.py) or, with ``in_process``, on a
-thread beside the server.
+round-robin (tokenmill/fair.py), so one API key's many requests cannot hold up another's. The engine core itself
+runs in a child process (engine/process.py) or, with ``in_process``, on a thread beside the server.
 """
 
 from __future__ import annotations

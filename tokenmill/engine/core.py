@@ -5,6 +5,10 @@ scheduled requests -> broadcast both to the worker ranks -> execute (the model, 
 the reporters read the kept tokens (detokenizers: text and stop strings; grammars: completion and the drafts they
 accept) -> the scheduler applies everything in ``update_from_output`` -> emit one output per request that changed.
 
+A failure stays in its request: anything that fails while adding one request, setting its row, computing it (found by
+bisection: engine/isolation.py), reading its output or building it ends that request with finish_reason "error" and
+the engine steps on; only a fault no request explains raises out of ``step``.
+
 It takes plain-data requests (``EngineRequest``) and returns plain-data outputs (``StepOutputs``), so it runs the same
 in the caller's thread (``LLM``, tests) and in its own process (``tokenmill serve``, engine/process.py).
 """
@@ -20,6 +24,7 @@ from tokenmill.distributed.group import TensorParallel
 from tokenmill.engine.build import build_runner, open_model
 from tokenmill.engine.checks import OutputChecks
 from tokenmill.engine.grammar import GrammarService, grace_for
+from tokenmill.engine.isolation import StepIsolation, error_code, error_output, failure_message, log_failure
 from tokenmill.engine.messages import EngineInfo, EngineRequest, EngineStats, RequestOutput, StepOutputs
 from tokenmill.engine.ranks import WorkerRanks
 from tokenmill.engine.settle import settle
@@ -29,7 +34,7 @@ from tokenmill.models.pooling import read_pooling
 from tokenmill.runtime import resident_memory_bytes
 from tokenmill.scheduler.output import RunnerOutput
 from tokenmill.scheduler.request import Request
-from tokenmill.scheduler.scheduler import RequestUpdate, Scheduler
+from tokenmill.scheduler.scheduler import DuplicateRequestError, RequestUpdate, Scheduler
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.structured.matchers import GrammarMatchers
 
@@ -73,6 +78,8 @@ class EngineCore:
         matchers = GrammarMatchers(compiler, vocab_size, self.tokenizer, eos)
         self.grammars = GrammarService(matchers, config.grammar_timeout, config.grammar_max_bytes)
         self.checks = OutputChecks(self.tokenizer, self.grammars)
+        self.isolation = StepIsolation(self.runner)
+        self._failed_adds: list[RequestOutput] = []  # failed as they were added: answered by the next step
         self.num_aborted_total = 0
         self.num_decode_steps_total, self.decode_step_seconds_total = 0, 0.0
         self._step_seconds = 0.0  # running mean of a step's execution
@@ -93,12 +100,26 @@ class EngineCore:
 
     # --- requests
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request (ValueError for a duplicate id); its grammar, if any, compiles off the step loop."""
-        self.scheduler.add_request(Request(
-            request.request_id, list(request.prompt_token_ids), request.params, max_tokens=request.max_tokens,
-            eos_token_ids=self.model_config.eos_token_ids, arrival_time=request.arrival_time,
-            cache_salt=scoped_salt(request.cache_scope, request.cache_salt), priority=request.priority))
-        self.checks.add(request)
+        """Queue a request; its grammar, if any, compiles off the step loop. A duplicate id raises
+        DuplicateRequestError (a ValueError) and changes nothing; any other failure ends this request alone: the next
+        step answers it with finish_reason "error"."""
+        request_id, queued = request.request_id, False
+        try:
+            self.scheduler.add_request(Request(
+                request_id, list(request.prompt_token_ids), request.params, max_tokens=request.max_tokens,
+                eos_token_ids=self.model_config.eos_token_ids, arrival_time=request.arrival_time,
+                cache_salt=scoped_salt(request.cache_scope, request.cache_salt),
+                priority=request.priority))
+            queued = True
+            self.checks.add(request)
+        except DuplicateRequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the request's own
+            log_failure(request_id, "being added", exc)
+            if queued:  # else the id may be another request's
+                self.scheduler.fail(request_id, failure_message(request_id))
+                self.checks.remove(request_id)
+            self._failed_adds.append(error_output(request_id, len(request.prompt_token_ids or ())))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
@@ -118,7 +139,7 @@ class EngineCore:
             self.grammars.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._failed_adds)
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
@@ -141,15 +162,19 @@ class EngineCore:
         if self.ranks is not None:
             self.ranks.broadcast_step(out, grammar)
         executed = time.perf_counter()
-        result = self.runner.execute(out, grammar)
+        # Under tensor parallelism the ranks run the same step in lockstep: it is never retried in parts.
+        result, failed = (self.runner.execute(out, grammar), []) if self.ranks else self.isolation.execute(out, grammar)
         if not out.is_empty:
             seconds = time.perf_counter() - executed
             self._step_seconds += STEP_TIME_WEIGHT * (seconds - self._step_seconds)
         reports = self.checks.report(self.scheduler.kept_tokens(result), result.drafts, grace)
+        for request_id in failed:  # pinned on a request by engine/isolation.py
+            reports.errors[request_id] = failure_message(request_id)
         now = time.monotonic()
         updates = self.scheduler.update_from_output(out, result, reports, now)
-        outputs = [self._output(update, result, reports.texts.get(update.request.request_id, ""), now)
-                   for update in updates]
+        outputs, self._failed_adds = self._failed_adds, []
+        outputs += [self._output_or_error(update, result, reports.texts.get(update.request.request_id, ""), now)
+                    for update in updates]
         if out.is_empty and not updates and self.grammars.pending:
             self.grammars.wait_any(IDLE_WAIT_S)  # every request waits for its grammar: nothing to spin for
         if not out.is_empty and out.total_num_scheduled_tokens == len(out.num_scheduled_tokens):  # pure decode
@@ -166,6 +191,17 @@ class EngineCore:
         for request_id, n in num_tokens.items():
             self._engine_seconds[request_id] = self._engine_seconds.get(request_id, 0.0) + seconds * n / total
 
+    def _output_or_error(self, update: RequestUpdate, result: RunnerOutput, text: str, now: float) -> RequestOutput:
+        try:
+            return self._output(update, result, text, now)
+        except Exception as exc:  # noqa: BLE001 - the request's own: it ends here
+            request = update.request
+            log_failure(request.request_id, "building its output", exc)
+            self.scheduler.fail(request.request_id, failure_message(request.request_id))
+            self.checks.remove(request.request_id)
+            return error_output(request.request_id, request.num_prompt_tokens, request.num_output_tokens,
+                                request.first_scheduled_time)
+
     def _output(self, update: RequestUpdate, result: RunnerOutput, text: str, now: float) -> RequestOutput:
         request, tokens = update.request, update.new_token_ids
         first = bool(tokens) and request.num_output_tokens == len(tokens)  # the request's first output with tokens
@@ -179,4 +215,4 @@ class EngineCore:
                              prompt_logprobs=request.prompt_logprobs if first else None,
                              embedding=request.embedding if first else None,
                              first_scheduled_time=request.first_scheduled_time, token_time=now, error=request.error,
-                             error_code="grammar_too_costly" if request.error is not None else None)
+                             error_code=error_code(request.request_id, request.error))

@@ -290,9 +290,20 @@ class InputBatch:
         values = np.fromiter((t for ts in tokens for t in ts), dtype=np.int64, count=int(counts.sum()))
         self.token_ids[flat_rows, positions] = values
         self.num_tokens[rows] += counts
+        self._count_outputs(flat_rows, values, 1)
+
+    def take_back(self, rows: np.ndarray, tokens: list[list[int]]) -> None:
+        """Undo ``append_sampled(rows, tokens)`` (a step that failed after it is computed again): the rows are as
+        before it (the tokens stay past ``num_tokens``, where nothing reads them)."""
+        counts = np.array([len(t) for t in tokens], dtype=np.int64)
+        self.num_tokens[rows] -= counts
+        self._count_outputs(np.repeat(rows, counts), np.fromiter((t for ts in tokens for t in ts), dtype=np.int64,
+                                                                 count=int(counts.sum())), -1)
+
+    def _count_outputs(self, flat_rows: np.ndarray, values: np.ndarray, delta: int) -> None:
         penalized = self.penalized[flat_rows]
         if penalized.any():
             index = torch.from_numpy(flat_rows[penalized]).to(self.device)
             self.output_counts.index_put_((index, torch.from_numpy(values[penalized]).to(self.device)),
-                                          torch.ones(len(index), dtype=torch.int32, device=self.device),
+                                          torch.full((len(index),), delta, dtype=torch.int32, device=self.device),
                                           accumulate=True)

@@ -29,7 +29,8 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.messages import EngineInfo, EngineRequest, RequestOutput, StepOutputs
+from tokenmill.engine.isolation import error_output
+from tokenmill.engine.messages import EngineInfo, EngineRequest, StepOutputs
 from tokenmill.logs import configure_logging
 from tokenmill.runtime import exit_with_parent
 
@@ -103,15 +104,16 @@ class InProcessEngine:
 
 def apply_commands(core, adds: list[EngineRequest], aborts: list[str]) -> StepOutputs:
     """Queue ``adds``, apply ``aborts``, then run one step if there is work; aborts are reported as outputs, and so
-    is a request the engine refused (a duplicate id: the API side makes them unique, so this is a bug's trace)."""
+    is a request the engine refused (a duplicate id: the API side makes them unique, so this is a bug's trace): with
+    finish_reason "error" and a generic message (its exception goes to the log). The core answers any other failure
+    to add a request itself, in the step's outputs."""
     refused = []
     for request in adds:
         try:
             core.add_request(request)
-        except ValueError as exc:
-            log.error("request %s refused by the engine: %s", request.request_id, exc)
-            refused.append(RequestOutput(request.request_id, [], "", len(request.prompt_token_ids), 0,
-                                         finished=True, finish_reason="abort"))
+        except Exception as exc:  # noqa: BLE001 - that request's, never the engine's
+            log.error("request %s refused by the engine", request.request_id, exc_info=exc)
+            refused.append(error_output(request.request_id, len(request.prompt_token_ids)))
     aborted = refused + [out for rid in aborts if (out := core.abort(rid)) is not None]
     step = core.step() if core.has_unfinished() else StepOutputs([], core.stats())
     step.outputs[:0] = aborted

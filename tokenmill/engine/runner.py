@@ -40,31 +40,65 @@ class ModelRunner:
                                 model.config.vocab_size, eos_token_ids, self.device, kv_cache.spec.groups.num_groups)
         self.sampler = Sampler(seed, self.device, c_kernels)  # c_kernels: the resolved backend is kernels/cpu/'s
 
-    def update_batch(self, out: SchedulerOutput) -> None:
+    @torch.inference_mode()
+    def update_batch(self, out: SchedulerOutput) -> dict[str, Exception]:
+        """Apply the scheduler's diff. A request whose row cannot be set (its sampling parameters overflow the
+        batch's arrays, say) loses its row and is returned with its exception; every other row is as the diff says."""
         for request_id in out.finished_ids + out.preempted_ids:
             self.batch.remove(request_id)
+        failed: dict[str, Exception] = {}
         for new in out.new_requests:
-            self.batch.add(new)
+            try:
+                self.batch.add(new)
+            except Exception as exc:  # noqa: BLE001 - the request's own: engine/isolation.py ends it
+                failed[new.request_id] = exc
         for running in out.running:
-            self.batch.update(running)
+            try:
+                self.batch.update(running)
+            except Exception as exc:  # noqa: BLE001 - likewise
+                failed[running.request_id] = exc
+        for request_id in failed:
+            self.batch.remove(request_id)
+        return failed
+
+    def execute(self, out: SchedulerOutput, grammar: GrammarOutput | None = None) -> RunnerOutput:
+        """One step as a whole: any failure raises (worker ranks, and rank 0 under tensor parallelism, where every
+        rank must run the same collectives; engine/isolation.py runs the two halves itself otherwise)."""
+        failed = self.update_batch(out)
+        if failed:
+            raise next(iter(failed.values()))
+        return self.compute(out.num_scheduled_tokens, out.spec_token_ids, grammar.bitmasks if grammar else {})
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, grammar: GrammarOutput | None = None) -> RunnerOutput:
-        self.update_batch(out)
-        if out.is_empty:
+    def compute(self, num_scheduled: dict[str, int], spec_token_ids: dict[str, list[int]],
+                bitmasks: dict) -> RunnerOutput:
+        """The forward, sampling and drafting of ``num_scheduled`` (request id -> tokens, in step order: the step's
+        requests or any subset of them, with their drafts and grammar bitmasks).
+
+        Invariant: when it raises, every row of the batch is as before the call (drafts and sampled tokens past
+        ``num_tokens`` are scratch; the KV slots written are the same positions' again, so a rerun writes the same
+        values): a failed step can be computed again for a subset of its requests."""
+        if not num_scheduled:
             return RunnerOutput()
-        self.batch.set_drafts(out.spec_token_ids)
-        inputs = self.batch.prepare(out.num_scheduled_tokens)
+        self.batch.set_drafts(spec_token_ids)
+        inputs = self.batch.prepare(num_scheduled)
         hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attention) if self.graphs else None
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv_cache)
-        bitmasks = grammar.bitmasks if grammar is not None else {}
-        result, kept = self._sample(inputs, hidden, bitmasks) if len(inputs.sample_rows) else (RunnerOutput(), [])
-        result.prompt_logprobs = prompt_logprobs(self.model, self.batch, inputs, hidden)
-        result.pooled = pooled_states(self.batch, inputs, hidden)
-        if self.proposer is not None:  # also when nothing sampled: a drafter's cache must see every position
-            drafts = self.proposer.draft(self._draft_context(inputs, hidden, kept))
-            result.drafts = dict(zip(result.sampled, drafts))
+        rows = inputs.sample_rows
+        result, accepted = self._sample(inputs, hidden, bitmasks) if len(rows) else (RunnerOutput(), [])
+        if accepted:
+            self.batch.append_sampled(rows, accepted)
+        try:
+            result.prompt_logprobs = prompt_logprobs(self.model, self.batch, inputs, hidden)
+            result.pooled = pooled_states(self.batch, inputs, hidden)
+            if self.proposer is not None:  # also when nothing sampled: a drafter's cache must see every position
+                drafts = self.proposer.draft(self._draft_context(inputs, hidden, [len(k) for k in accepted]))
+                result.drafts = dict(zip(result.sampled, drafts))
+        except BaseException:
+            if accepted:
+                self.batch.take_back(rows, accepted)
+            raise
         return result
 
     def _draft_context(self, inputs: StepInputs, hidden: torch.Tensor, kept: list[int]) -> DraftContext:
@@ -79,9 +113,10 @@ class ModelRunner:
             last_indices=inputs.last_indices, num_samples=inputs.num_samples, num_slots=batch.num_slots(rows),
             decode_layout=decode_layout)
 
-    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, bitmasks: dict) -> tuple[RunnerOutput, list]:
-        """Sample at every sampled position, accept drafts, append the kept tokens to their rows. Also returns how
-        many tokens each sampling row kept."""
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, bitmasks: dict
+                ) -> tuple[RunnerOutput, list[list[int]]]:
+        """Sample at every sampled position and accept drafts; also returns each sampling row's kept tokens (the
+        caller appends them to the rows)."""
         rows = inputs.sample_rows
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         meta = self.batch.sampling_metadata(inputs.position_rows, inputs.position_offsets, bitmasks)
@@ -95,8 +130,8 @@ class ModelRunner:
             if logprobs[start] is not None:
                 result.logprobs[request_id] = logprobs[start:start + len(kept)]
             start += n
-        self.batch.append_sampled(rows, accepted)
-        return result, [len(k) for k in accepted]
+        return result, accepted
+
 
 def accept(drafts: list[int], sampled: list[int]) -> list[int]:
     """The step's tokens of one request: ``sampled[j]`` was sampled after drafts[:j]; drafts are kept while each

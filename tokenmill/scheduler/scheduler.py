@@ -48,6 +48,10 @@ from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.scheduler.stats import SchedulerStats, SpecStats
 
 
+class DuplicateRequestError(ValueError):
+    """A request id the scheduler already holds: nothing was queued, nothing changed."""
+
+
 @dataclass
 class RequestUpdate:
     """A request after a step (finished ones included) and the tokens it kept in that step."""
@@ -70,10 +74,11 @@ class Scheduler:
         self._finished_ids: list[str] = []  # finished or aborted since the last schedule(): the runner drops them
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; if this raises (DuplicateRequestError, or anything else), nothing has changed."""
         if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.requests[request.request_id] = request
+            raise DuplicateRequestError(f"duplicate request id {request.request_id!r}")
         insert_by_priority(self.waiting, request)
+        self.requests[request.request_id] = request
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -220,9 +225,7 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         updates = []
         for request_id, error in reports.errors.items():  # first: an errored request keeps nothing of this step
-            if (request := self.requests.get(request_id)) is not None:
-                request.error = error
-                self.finish(request, RequestStatus.FINISHED_ERROR)
+            if (request := self.fail(request_id, error)) is not None:
                 updates.append(RequestUpdate(request, []))
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
@@ -298,6 +301,15 @@ class Scheduler:
         request.finished_time = time.monotonic()
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+
+    def fail(self, request_id: str, error: str) -> Request | None:
+        """End a request with an error (``error``: what its client is told) wherever it is; its blocks return to the
+        pool. None if it has already ended."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.error = error
+            self.finish(request, RequestStatus.FINISHED_ERROR)
+        return request
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

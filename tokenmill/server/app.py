@@ -2,8 +2,8 @@
 it all (server/edge.py: request ids, the key checked from the headers, the key's share, the body's bounds).
 
 Lifecycle: the app answers at once; each model's engine loads in a background thread (``/ready`` is 503, and
-``/v1/*`` for that model, until it is up: server/fleet.py). ``begin_drain`` turns ``/ready`` and new ``/v1/*`` requests to 503 while the
-requests in flight finish.
+``/v1/*`` for that model, until it is up: server/fleet.py). ``begin_drain`` turns ``/ready`` and new ``/v1/*``
+requests to 503 while the requests in flight finish.
 """
 
 from __future__ import annotations

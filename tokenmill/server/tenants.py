@@ -180,8 +180,8 @@ class Tenants:
         return limits.charge(tokens) if limits is not None else NO_CHARGE
 
     def cache_scope(self, key_name: str | None) -> str | None:
-        """Whose prefix-cache blocks a request of this key may share: its ``cache_group``'s, else its own; None (everybody's)
-        on a server without keys."""
+        """Whose prefix-cache blocks a request of this key may share: its ``cache_group``'s, else its own; None
+        (everybody's) on a server without keys."""
         if key_name is None:
             return None
         limits = self._of(key_name)

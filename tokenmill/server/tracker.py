@@ -158,9 +158,9 @@ class Tracker:
         self.charge.settle(sum(len(r.prompt_token_ids) for r in self.requests) + self.num_output_tokens)
         usage = self.usage(self.requests[0].params.n if self.requests else 1)
         ok = all(p.finish_reason not in (None, "error", "abort") for p in self._progress.values())
-        self.ctx.account(self.key_name, Usage(1, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
-                                              usage["completion_tokens"], int(not ok),
-                                              sum(p.engine_seconds for p in self._progress.values())))
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        self.ctx.account(self.key_name, Usage(1, usage["prompt_tokens"], cached, usage["completion_tokens"],
+                                              int(not ok), sum(p.engine_seconds for p in self._progress.values())))
 
     def close(self) -> None:
         """The response is over (sent, failed, or its client left): stop the pumps (aborting the engine requests still
