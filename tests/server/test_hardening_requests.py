@@ -248,3 +248,41 @@ def test_prompt_logprobs_and_embeddings_are_within_a_byte_budget(server):
     inputs = {"model": "tiny", "input": ["hello"] * 1000}  # 1,000 x 64 dimensions x 24 bytes: over 1 MiB
     refused(post(root, "/v1/embeddings", inputs), "input")
     assert post(root, "/v1/embeddings", {"model": "tiny", "input": ["hello"] * 10}).status_code == 200
+
+
+def test_a_request_that_fails_in_the_engine_ends_alone(server, monkeypatch):
+    """A fault injected into one request's step (its prompt holds a marker token): that request gets a 500 naming its
+    request id, never the fault's text; a request beside it in the same steps gets the tokens it gets alone."""
+    import asyncio
+
+    from tokenmill.engine.runner import ModelRunner
+
+    root, _ = server
+    marker, compute = 4242, ModelRunner.compute
+
+    def faulty(self, scheduled, drafts, bitmasks):
+        for request_id in scheduled:
+            row = self.batch.row_of[request_id]
+            if marker in self.batch.token_ids[row, :self.batch.num_tokens[row]]:
+                raise RuntimeError("injected fault at /secret/weights")
+        return compute(self, scheduled, drafts, bitmasks)
+    normal = {"model": "tiny", "prompt": [100, 200, 300], "max_tokens": 12, "ignore_eos": True, "temperature": 0}
+    alone = post(root, "/v1/completions", normal).json()["choices"][0]["text"]
+    monkeypatch.setattr(ModelRunner, "compute", faulty)
+
+    async def both(stream: bool):
+        async with httpx.AsyncClient(timeout=60, headers=HEADERS) as client:
+            bad = {**normal, "prompt": [100, marker, 300], "stream": stream}
+            return await asyncio.gather(client.post(root + "/v1/completions", json=bad),
+                                        client.post(root + "/v1/completions", json=normal))
+    failed, served = asyncio.run(both(False))
+    assert failed.status_code == 500, failed.text
+    error = failed.json()["error"]
+    assert error["code"] == "engine_error" and failed.headers["x-request-id"] in error["message"]
+    assert "secret" not in failed.text and "injected" not in failed.text
+    assert served.json()["choices"][0]["text"] == alone
+    streamed, served = asyncio.run(both(True))
+    assert streamed.status_code == 200 and '"engine_error"' in streamed.text and "secret" not in streamed.text
+    assert served.json()["choices"][0]["text"] == alone
+    monkeypatch.undo()
+    healthy(root)

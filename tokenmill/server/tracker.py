@@ -178,7 +178,9 @@ class Tracker:
                 param = self.grammar_param
                 raise bad_request(f"{param}: {out.error}" if param else out.error, param=param,
                                   code="grammar_too_costly")
-            raise APIError(500, f"{out.error} (request id {request_id()})", "server_error", code=out.error_code)
+            log.error("request %s: engine request %s ended with an error", request_id(), out.request_id)
+            raise APIError(500, f"The engine could not run this request (request id {request_id()}).", "server_error",
+                           code=out.error_code)
         now = time.monotonic()
         m, model = self.ctx.metrics, self.ctx.model_name
         p = self._progress[out.request_id]
