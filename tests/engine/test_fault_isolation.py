@@ -129,10 +129,18 @@ def patch_forward(monkeypatch, llm: LLM, fails) -> list[list[str]]:
     return history
 
 
+def _past_int64_seed() -> SamplingParams:
+    """Greedy params whose seed is past int64: SamplingParams refuses one at construction, so it is set after, as a
+    value that got past the API's checks would arrive."""
+    params = dataclasses.replace(GREEDY)
+    params.seed = 2 ** 64
+    return params
+
+
 def test_an_overflowing_sampling_parameter_ends_its_request_only(checkpoint, expected, caplog):
-    """A seed past int64 (SamplingParams does not bound it) overflows the batch's seed array as the runner stores
-    the request's row: a real fault, no patch."""
-    llm, results, free = faulty_run(checkpoint, caplog, ([40, 41, 42], dataclasses.replace(GREEDY, seed=2 ** 64)))
+    """A seed past int64 overflows the batch's seed array as the runner stores the request's row: a real fault in the
+    engine's own code, no patch."""
+    llm, results, free = faulty_run(checkpoint, caplog, ([40, 41, 42], _past_int64_seed()))
     assert results["faulty"]["tokens"] == []
     assert_isolated(llm, results, expected, free, caplog, raised=OverflowError)
 

@@ -82,7 +82,8 @@ def test_the_requests_that_answered_500_are_400s(server):
 @pytest.mark.parametrize("field, value", [
     ("temperature", float("nan")), ("top_p", float("inf")), ("presence_penalty", -math.inf),
     ("frequency_penalty", 1e308), ("logit_bias", {"5": float("nan")}), ("n", 2**64), ("max_tokens", 2**64),
-    ("logprobs", 2**31), ("stop_token_ids", [2**64]), ("prompt", [2**63]), ("best_of", 0), ("top_k", -2)])
+    ("logprobs", 2**31), ("stop_token_ids", [2**64]), ("prompt", [2**63]), ("best_of", 0), ("top_k", -2),
+    ("top_p", 1e-320), ("top_k", 2**64), ("seed", 10**30)])
 def test_boundary_numbers_are_400s_naming_the_field(server, field, value):
     root, _ = server
     body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2, field: value})  # NaN and Infinity literals
@@ -286,3 +287,36 @@ def test_a_request_that_fails_in_the_engine_ends_alone(server, monkeypatch):
     assert served.json()["choices"][0]["text"] == alone
     monkeypatch.undo()
     healthy(root)
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}',
+    b'{"model": "tiny", "prompt": "ab", "max_tokens": 2, "stop": ["x\\udfff\\ud800"]}',
+    b'{"model": "tiny\xed\xa0\x80", "prompt": "ab", "max_tokens": 2}'])
+def test_lone_surrogates_are_refused_before_any_route_reads_them(server, body):
+    """No character, so no tokenizer, log line or response can carry one (they were 500s); a pair is text."""
+    root, _ = server
+    r = httpx.post(root + "/v1/completions", content=body, headers={**HEADERS, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_text", r.text
+    pair = b'{"model": "tiny", "prompt": "smile \\ud83d\\ude00", "max_tokens": 2}'
+    assert httpx.post(root + "/v1/completions", content=pair, timeout=30,
+                      headers={**HEADERS, "content-type": "application/json"}).status_code == 200
+
+
+def test_a_submit_the_engine_cannot_read_is_answered_not_fatal():
+    """What the API process made but the engine process reads otherwise (a parameter judged differently there) ends
+    that request with an error; the engine's loop goes on."""
+    import msgspec
+
+    from tokenmill.engine.messages import EngineRequest
+    from tokenmill.engine.process import _decode_request
+    from tokenmill.sampling.params import SamplingParams
+
+    params = SamplingParams()
+    params.top_p = 0.0  # what a subnormal top_p read as in a process that flushes subnormals
+    payload = msgspec.msgpack.encode(EngineRequest("r1", [1, 2, 3], params, 4, 0.0))
+    answer = _decode_request(msgspec.msgpack.Decoder(EngineRequest), payload)
+    assert answer.request_id == "r1" and answer.finish_reason == "error" and answer.error_code == "engine_error"
+    assert answer.num_prompt_tokens == 3
+    with pytest.raises(msgspec.DecodeError):
+        _decode_request(msgspec.msgpack.Decoder(EngineRequest), b"\xc1")  # not even an id: the engine's own fault

@@ -101,7 +101,8 @@ def _totals(server, key):
 def test_live_ledger_survives_a_kill(tmp_path):
     db = tmp_path / "usage.sqlite3"
     (tmp_path / "keys.toml").write_text(KEYS)
-    flags = ("--config", str(tmp_path / "keys.toml"), "--usage-db", str(db))  # the flag beats the tests' variable
+    flags = ("--config", str(tmp_path / "keys.toml"), "--usage-db", str(db),  # the flag beats the tests' variable
+             "--metrics-per-key")
     server = start_server(tmp_path, *flags)
     prompts = ["Hello there", "Name three colors.", "What is 2 + 2?"]
     clients = {k: openai.OpenAI(base_url=server.base_url, api_key=f"sk-{k[-1]}", max_retries=0)

@@ -30,7 +30,7 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.isolation import error_output
-from tokenmill.engine.messages import EngineInfo, EngineRequest, StepOutputs
+from tokenmill.engine.messages import EngineInfo, EngineRequest, RequestOutput, StepOutputs
 from tokenmill.logs import configure_logging
 from tokenmill.runtime import exit_with_parent
 
@@ -270,19 +270,35 @@ def _serve(core, pull, push, encoder) -> None:
     request_decoder, ids_decoder = msgspec.msgpack.Decoder(EngineRequest), msgspec.msgpack.Decoder(list[str])
     sent_stats = None
     while True:
-        adds, aborts = [], []
+        adds, aborts, refused = [], [], []
         idle = not core.has_unfinished()
         while pull.poll(_POLL_MS if idle else 0):
             kind, payload = pull.recv_multipart()
             if kind == _STOP:
                 return
             if kind == _ADD:
-                adds.append(request_decoder.decode(payload))
+                request = _decode_request(request_decoder, payload)
+                (adds if isinstance(request, EngineRequest) else refused).append(request)
             elif kind == _ABORT:
                 aborts += ids_decoder.decode(payload)
             idle = False
-        if adds or aborts or core.has_unfinished():
+        if adds or aborts or refused or core.has_unfinished():
             step = apply_commands(core, adds, aborts)
+            step.outputs[:0] = refused
             if step.outputs or step.stats != sent_stats:
                 push.send_multipart([_STEP, encoder.encode(step)], copy=False)
                 sent_stats = step.stats
+
+
+def _decode_request(decoder: msgspec.msgpack.Decoder, payload: bytes) -> EngineRequest | RequestOutput:
+    """The request a submit carries, or, where it does not decode in this process (its parameters judged otherwise
+    here than where they were made), its answer: ended with an error. Raises only when not even its id can be read."""
+    try:
+        return decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        raw = msgspec.msgpack.decode(payload)
+        request_id = raw.get("request_id") if isinstance(raw, dict) else None
+        if not isinstance(request_id, str):
+            raise
+        log.error("request %s could not be read by the engine", request_id, exc_info=exc)
+        return error_output(request_id, len(raw.get("prompt_token_ids") or ()))

@@ -6,6 +6,7 @@ parameter's name, so the server can map it to an OpenAI error with ``param`` set
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 from tokenmill.structured.spec import GrammarSpec
@@ -14,6 +15,14 @@ from tokenmill.structured.spec import GrammarSpec
 POOLING_MODES = (None, "last", "mean", "cls")
 # What the engine's per-row arrays hold (engine/input_batch.py: int64): every integer parameter stays within it.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _normal(value: float) -> float:
+    """``value``, or 0.0 for a subnormal."""
+    return 0.0 if 0 < abs(value) < sys.float_info.min else value
 
 
 def _int64(value: int | None) -> bool:
@@ -55,6 +64,11 @@ class SamplingParams:
     grammar: GrammarSpec | None = None  # structured outputs: every output token keeps the text inside this grammar
 
     def __post_init__(self) -> None:
+        # A subnormal reads as 0 in a process that flushes them (the C kernels' -ffast-math sets FTZ/DAZ): it is 0
+        # here too, so that the API process and the engine judge a value alike.
+        for name in _FLOAT_FIELDS:
+            if isinstance(value := getattr(self, name), float):
+                setattr(self, name, _normal(value))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -62,7 +76,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = {int(k): _normal(float(v)) for k, v in self.logit_bias.items()}
         self._validate()
 
     def _validate(self) -> None:

@@ -7,12 +7,14 @@
    with Retry-After; refused requests count), and the work done for it queues under its name (tokenmill/fair.py).
    Open without a key (unless ``auth_all_endpoints``): /health, /ready, /metrics, /openapi.json and the docs.
 3. ``BodyLimits``: the body read whole before the app sees it, bounded in size (400), read time (408) and nesting
-   depth (400), so that no route parses what it should have refused.
+   depth (400), and refused when it holds a lone surrogate (400: no character, and no text any tokenizer, log or
+   response can carry), so that no route parses what it should have refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from typing import Any, Callable
@@ -121,6 +123,10 @@ class BodyLimits:
             error = bad_request(f"the request body nests arrays and objects more than {self.max_depth} deep",
                                 code="nested_too_deeply")
             return await _refuse(error, scope, receive, send)
+        if has_lone_surrogate(body):
+            error = bad_request("the request body holds a lone UTF-16 surrogate (U+D800 to U+DFFF), which is no "
+                                "character: send text as UTF-8, or a surrogate pair", code="invalid_text")
+            return await _refuse(error, scope, receive, send)
 
         async def replay() -> dict:
             nonlocal replayed
@@ -148,3 +154,23 @@ def json_depth(body: bytes, bound: int) -> int:
     codes = np.frombuffer(_JSON_STRING.sub(b'""', body), np.uint8)
     steps = np.isin(codes, _OPENS).astype(np.int32) - np.isin(codes, _CLOSES).astype(np.int32)
     return int(np.cumsum(steps).max(initial=0))
+
+
+_RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")  # a surrogate encoded as if it were a character: never UTF-8
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def has_lone_surrogate(body: bytes) -> bool:
+    """A JSON text that decodes to a string holding a surrogate not paired as UTF-16 pairs them (Python's JSON reader
+    takes both spellings). Escapes are read in full only when one looks like a surrogate (pairs are common: emoji)."""
+    if _RAW_SURROGATE.search(body):
+        return True
+    if not _ESCAPED_SURROGATE.search(body):
+        return False
+    try:
+        json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    except ValueError:
+        return False  # not JSON: the route says so
+    return False

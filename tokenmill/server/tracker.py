@@ -60,6 +60,8 @@ class _Progress:
 
 @dataclass
 class Tracker:
+    """One HTTP request's engine requests (``n`` per prompt), what they hold, their outputs and their metrics."""
+
     ctx: ServerContext
     endpoint: str
     arrival: float

@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenmill.server.deps import ServerState, operator_key, server_state
+from tokenmill.server.errors import APIError
 
 router = APIRouter(dependencies=[Depends(operator_key)])
 
@@ -27,12 +28,14 @@ async def health(state: ServerState = Depends(server_state)) -> JSONResponse:
 async def ready(model: str | None = None, state: ServerState = Depends(server_state)) -> JSONResponse:
     """Serving: every model loaded at start-up is ready (``?model=NAME``: that model, by name or alias)."""
     ok, status = state.fleet.ready(model)
+    if status == "unknown model":  # a refusal of the request, in the API's error shape
+        return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found").response()
     if state.draining:
         ok, status = False, "draining"
     body = {"status": status}
     if model is None and not state.fleet.lone:
         body["models"] = state.fleet.statuses()
-    return JSONResponse(body, status_code=200 if ok else 404 if status == "unknown model" else 503)
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 @router.get("/metrics")
