@@ -304,6 +304,15 @@ def mutation(op: Op, kind: str) -> st.SearchStrategy:
     return st.tuples(st.sampled_from(targets), *values).map(lambda t: (kind, t[0][0], t[0][1], *t[1:]))
 
 
+def sweep(op: Op) -> list[tuple]:
+    """Every (numeric field, boundary value) pair of an operation and every odd logit_bias key, one mutation a case:
+    the single-field cases a random draw of combinations may miss."""
+    cases = [("num", path, template, value) for path, template in op.numeric for value in BOUNDARY]
+    if op.bias:
+        cases += [("bias_key", ("logit_bias",), key) for key in ODD_KEYS]
+    return cases
+
+
 def cases(op: Op) -> st.SearchStrategy:
     """(mutations, stream): one to three mutations of one operation's valid body, numbers first among them."""
     kinds = ["num"] * 4 + ["type", "empty", "utf8"] + ["deep"] * bool(op.deep) + ["huge"] * bool(op.huge)

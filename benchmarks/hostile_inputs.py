@@ -13,7 +13,9 @@ at a time (each failure has one cause):
     count_tokens, embeddings, tokenize, detokenize, GET /v1/usage): a valid body with one to three fields replaced
     by boundary numbers (0, -1, 2**31, 2**63, 2**64, 10**30, 1e308, 1e-320, NaN, Infinity as raw JSON literals),
     wrong types, unicode digits as logit_bias keys, huge arrays (10^5 token ids, 10^4 stop strings), nesting
-    50 / 500 / 5000 deep, bad UTF-8 bytes, empty strings; a third of them streamed (read to the end).
+    50 / 500 / 5000 deep, bad UTF-8 bytes, empty strings; a third of them streamed (read to the end). Up to half
+    of each operation's share goes first to the sweep: every numeric field with every boundary value, and every odd
+    logit_bias key, one a case (a seeded sample when the share is shorter).
 About 40% of ``--cases`` go to (a), spread evenly over its operations, the rest to (b), weighted to generation.
 
 Checks on every response: no 5xx (a 503 with Retry-After, overload, is allowed), every 4xx body in the API's own
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 import time
@@ -120,12 +123,20 @@ def run_schemathesis(campaign: checks.Campaign, count: int, chosen_seed: int | N
 
 
 def run_own(campaign: checks.Campaign, count: int, chosen_seed: int | None) -> None:
+    """Per operation, up to half its share on the boundary sweep (a seeded sample of it when the share is short;
+    every third case streamed), the rest on hypothesis's combinations of one to three mutations."""
     for name, share in split(count, OWN_WEIGHTS).items():
         op = hc.OPS[name]
+        pairs = hc.sweep(op)
+        pairs = random.Random(chosen_seed or 0).sample(pairs, len(pairs))[:share // 2]
+        for i, mutation in enumerate(pairs):
+            if campaign.stopped:
+                return
+            campaign.own_case(op, (mutation,), stream=op.stream and i % 3 == 0, key_index=i)
         index = {"n": 0}
 
         @given(case=hc.cases(op))
-        @hypothesis_settings(share, chosen_seed)
+        @hypothesis_settings(max(1, share - len(pairs)), chosen_seed)
         def fuzz(case):
             if campaign.stopped:
                 return
