@@ -5,6 +5,7 @@ recorded, our own server restarted, the killing mutation named by replaying it a
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -369,10 +370,13 @@ class Campaign:
         death = {"operation": op, "source": source, "case": self.report["total_cases"], "status": out.label,
                  "request": request[:LIMIT], "response": (out.text or out.error or "")[:LIMIT],
                  "atoms": list(atoms), "engine_pid": self.engine_pid, "pid_now": self.current_pid(), "health_events":
-                 self.monitor.events[-3:], "log_tail": log_tail(self.log_path(), 40), "t": round(time.time(), 1)}
+                 self.monitor.events[-3:], "log_tail": log_tail(self.log_path(), 60), "t": round(time.time(), 1)}
+        causes = re.findall(r"the engine failed \((.*)\): exiting", death["log_tail"]) or \
+            re.findall(r"^[\w.]*(?:Error|Exception)\b.*$", death["log_tail"], re.M)
+        death["cause"] = causes[-1] if causes else None  # the engine's last exception in the server log
         self.report["deaths"].append(death)
-        self.fail(op, source, "engine death", request, out, "the engine died or /health stopped answering 200",
-                  None, atoms)
+        self.fail(op, source, "engine death", request, out, death["cause"] or "the engine died or /health stopped "
+                  "answering 200", None, atoms)
         if not self.revive():
             self.stopped = True
             return
@@ -437,16 +441,25 @@ def print_summary(report: dict, out: str) -> None:
     for op, entry in sorted(report["operations"].items()):
         statuses = " ".join(f"{k}:{v}" for k, v in sorted(entry["statuses"].items()))
         print(f"  {op:38s} {entry['cases']:5d}  {statuses}")
-    print(f"failures: {report['failure_count']}")
-    for group in report["distinct_failures"][:40]:
-        what = ", ".join(group["culprits"] or group["mutations"]) or group["request"].split("\n", 1)[-1][:160]
-        print(f"  x{group['count']:<4d} {group['operation']} {group['kind']} {group['status']}: {what}")
-        print(f"        -> {(group['response'] or '')[:160]}")
+    print(f"failures: {report['failure_count']} (distinct, one line each: count, operation, kind, status, the "
+          f"mutations or the request -> the response)")
+    resets = 0
+    for group in report["distinct_failures"]:
+        if group["kind"] == "connection reset after 5xx":
+            resets += group["count"]
+            continue
+        what = ", ".join(group["culprits"] or group["mutations"]) or group["request"].split("\n", 1)[-1][:120]
+        answer = group["detail"] if group["kind"].startswith("stream") or group["kind"] in ("transport", "engine death") \
+            else group["response"]
+        print(f"  x{group['count']:<3d} {group['operation']} {group['kind']} {group['status']}: {what} -> "
+              f"{(answer or '')[:140]}".replace("\n", " | "))
+    if resets:
+        print(f"  x{resets:<3d} the kept-alive connection was reset after a 5xx (the next request on it failed)")
     print(f"engine deaths: {report['engine_deaths']} (server restarts {report['server_restarts']}; /health not ok in "
           f"{report['health_polls']['not_ok']} of {report['health_polls']['polls']} polls)")
     for death in report["deaths"]:
         what = death.get("culprits") or death["atoms"] or death["request"].split("\n", 1)[-1][:200]
-        print(f"  {death['operation']} ({death['source']}, case {death['case']}): {what}")
+        print(f"  {death['operation']} ({death['source']}, case {death['case']}): {what} -> {death.get('cause')}")
     final = report["final"]
     print(f"final: /health {final['health']}, engine pid {report['engine_pid_start']} -> {final['engine_pid_end']} "
           f"(same: {final['same_engine_pid']}), chat {final['chat_status']}: {final['chat_text']!r}")

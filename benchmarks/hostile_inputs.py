@@ -10,7 +10,9 @@ at a time (each failure has one cause):
     "model" set to the served model so requests reach it, the API key sent, one case in ten with the generated
     authorization headers instead);
 (b) hostile_cases.py's strategies for the generation operations (chat, completions, responses, messages,
-    count_tokens, embeddings, tokenize, detokenize, GET /v1/usage): a valid body with one to three fields replaced
+    count_tokens, embeddings, tokenize, detokenize, GET /v1/usage; the schema leaves Anthropic content and system
+    blocks, Responses input items, tool schemas and metadata free-form objects, which schemathesis fills with
+    nothing hostile, so (b) reaches into them): a valid body with one to three fields replaced
     by boundary numbers (0, -1, 2**31, 2**63, 2**64, 10**30, 1e308, 1e-320, NaN, Infinity as raw JSON literals),
     wrong types, unicode digits as logit_bias keys, huge arrays (10^5 token ids, 10^4 stop strings), nesting
     50 / 500 / 5000 deep, bad UTF-8 bytes, empty strings; a third of them streamed (read to the end). Up to half

@@ -203,6 +203,11 @@ def build_report(args, result: dict, duration: float) -> dict:
     base, slow = ttft["baseline"]["p99"], ttft["slow_readers"]["p99"]
     ratio = slow / base if base and slow is not None else None
     rss = rss_window(run.series, 20.0)
+    gauges = {}
+    for phase in ("baseline", "slow_readers"):
+        rows = [row for row in run.series if row["phase"] == phase]
+        gauges[phase] = {name.split(":")[1]: _mean([row.get(name.split(":")[1]) for row in rows])
+                         for name in load.GAUGES}
     idle = result["idle"]
     a_counts = run.counts.get("a", {})
     a_bad = {f"{kind} {status}": n for kind, statuses in a_counts.items() for status, n in statuses.items()
@@ -221,12 +226,18 @@ def build_report(args, result: dict, duration: float) -> dict:
             "layout": f"{args.rounds} round(s) of baseline then slow_readers, {result['phase_s']:.0f} s each phase",
             "workers_per_tenant": args.workers, "duration_s": round(duration, 1), "model": run.model,
             "phases": run.phases, "ttft_s": ttft, "ttft_p99_ratio": ratio, "rss": rss, "idle": idle,
-            "counts": run.counts, "tenant_a_not_200_or_429": a_bad, "tenant_a_429": a_429,
+            "counts": run.counts, "by_phase": run.by_phase, "gauges_mean_by_phase": gauges,
+            "tenant_a_not_200_or_429": a_bad, "tenant_a_429": a_429,
             "errors": run.errors[:50], "error_count": len(run.errors), "structured_json": run.structured_json,
             "embeddings": run.embeddings, "slow_reader_streams": run.slow_streams, "bursts": run.burst_log,
             "series": run.series, "client_cpu_s": round(resource.getrusage(resource.RUSAGE_SELF).ru_utime +
                                                         resource.getrusage(resource.RUSAGE_SELF).ru_stime, 1),
             "targets": targets, "passed": all(targets.values())}
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(sum(values) / len(values), 4) if values else None
 
 
 def print_summary(report: dict, out: str) -> None:
@@ -236,6 +247,10 @@ def print_summary(report: dict, out: str) -> None:
     for phase, t in report["ttft_s"].items():
         print(f"  tenant a TTFT {phase:12s} n={t['n']:4d} (+{t['censored']} cut off by the end) p50 {fmt(t['p50'])} s"
               f"  p99 {fmt(t['p99'])} s")
+    for phase, g in report["gauges_mean_by_phase"].items():
+        print(f"  mean over {phase}: running {g['num_requests_running']}, kv usage {g['kv_cache_usage_perc']}, "
+              f"admission saturation {g['admission_saturation']}; statuses by tenant "
+              f"{report['by_phase'].get(phase)}")
     ratio = report["ttft_p99_ratio"]
     targets = report["targets"]
     mark = lambda name: "PASS" if targets[name] else "FAIL"  # noqa: E731

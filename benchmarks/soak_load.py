@@ -35,7 +35,8 @@ class Run:
         self.start = time.monotonic()
         self.phase, self.phases = "warmup", []
         self.ttft: dict[str, list[float]] = {"baseline": [], "slow_readers": []}
-        self.counts: dict[str, dict[str, dict[str, int]]] = {}
+        self.counts: dict[str, dict[str, dict[str, int]]] = {}  # tenant -> kind -> status -> requests
+        self.by_phase: dict[str, dict[str, dict[str, int]]] = {}  # phase -> tenant -> status -> requests
         self.errors: list[dict] = []
         self.structured_json = {"valid": 0, "invalid": 0}
         self.ttft_censored: dict[str, list[float]] = {"baseline": [], "slow_readers": []}
@@ -57,6 +58,8 @@ class Run:
         kinds = self.counts.setdefault(tenant, {})
         statuses = kinds.setdefault(kind, {})
         statuses[str(status)] = statuses.get(str(status), 0) + 1
+        phase = self.by_phase.setdefault(self.phase, {}).setdefault(tenant, {})
+        phase[str(status)] = phase.get(str(status), 0) + 1
 
     def error(self, tenant: str, kind: str, what: str) -> None:
         self.errors.append({"t": self.now(), "phase": self.phase, "tenant": tenant, "kind": kind, "what": what[:500]})
