@@ -50,6 +50,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 from hypothesis.errors import Unsatisfiable
 
 import hostile_cases as hc
+import hostile_campaign as campaigns
 import hostile_checks as checks
 from live_serve import OwnServer, cpu_flags
 
@@ -93,7 +94,7 @@ def cheapen(body) -> None:
                 body[name] = 16
 
 
-def run_schemathesis(campaign: checks.Campaign, count: int, chosen_seed: int | None) -> None:
+def run_schemathesis(campaign: campaigns.Campaign, count: int, chosen_seed: int | None) -> None:
     import schemathesis
     from schemathesis.generation.modes import GenerationMode
 
@@ -124,7 +125,7 @@ def run_schemathesis(campaign: checks.Campaign, count: int, chosen_seed: int | N
                 campaign.report.setdefault("schemathesis_unsatisfiable", []).append(f"{name} ({mode})")
 
 
-def run_own(campaign: checks.Campaign, count: int, chosen_seed: int | None) -> None:
+def run_own(campaign: campaigns.Campaign, count: int, chosen_seed: int | None) -> None:
     """Per operation, up to half its share on the boundary sweep (a seeded sample of it when the share is short;
     every third case streamed), the rest on hypothesis's combinations of one to three mutations."""
     for name, share in split(count, OWN_WEIGHTS).items():
@@ -170,7 +171,7 @@ def main() -> int:
         print(f"starting {' '.join(server.command)} (log {work})", flush=True)
         server.start()
         root, keys = server.root, list(KEYS.values())
-    campaign = checks.Campaign(root, keys, server, args.server_log, args.wait_s, args.max_restarts)
+    campaign = campaigns.Campaign(root, keys, server, args.server_log, args.wait_s, args.max_restarts)
     started = time.monotonic()
     try:
         campaign.begin()

@@ -240,7 +240,7 @@ class Run:
                 elif r.status_code not in (200, 429):
                     self.error("b", "burst", f"{r.status_code}: {r.text[:300]}")
                 return r.status_code
-            except httpx.HTTPError as exc:
+            except Exception as exc:  # noqa: BLE001 - a transport error or a malformed answer, counted
                 self.count("b", "burst", type(exc).__name__)
                 self.error("b", "burst", repr(exc))
                 return type(exc).__name__
@@ -255,7 +255,7 @@ class Run:
 
                 def record(fut, entry=entry, tasks=tasks):
                     pending.difference_update(tasks)
-                    if not fut.cancelled():
+                    if not fut.cancelled() and fut.exception() is None:  # else cut off by the end of the run
                         entry["statuses"] = {str(s): fut.result().count(s) for s in set(fut.result())}
                 done.add_done_callback(record)
         finally:
