@@ -263,8 +263,10 @@ class Run:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
 
-    async def slow_reader(self, index: int) -> None:
-        """Tenant b's stream of n=16 x 300 tokens, read at ~100 bytes/s; another when it ends."""
+    async def slow_reader(self, index: int, slow: bool = True) -> None:
+        """Tenant b's stream of n=16 x 300 tokens, read at ~100 bytes/s (``slow``) or as fast as it comes; once per
+        phase (a refused one tries again a second later), so that both phases give the engine the same work and
+        differ only in how fast it is read."""
         url = urlsplit(self.root)
         body = json.dumps({"model": self.model, "n": 16, "max_tokens": 300, "stream": True, "messages": [
             {"role": "user", "content": f"Tell a long story about {TOPICS[index % len(TOPICS)]}."}]}).encode()
@@ -287,7 +289,7 @@ class Run:
                 self.slow_streams["started"] += 1
                 status, first = None, b""
                 while True:
-                    chunk = await reader.read(100)
+                    chunk = await reader.read(100 if slow else 1 << 16)
                     if not chunk:
                         break
                     self.slow_streams["bytes_read"] += len(chunk)
@@ -297,8 +299,11 @@ class Run:
                             status = first.split(b"\r\n", 1)[0].split(b" ")[1].decode()
                             self.count("b", "slow_reader", status)
                             self.slow_streams["statuses"][status] = self.slow_streams["statuses"].get(status, 0) + 1
-                    await asyncio.sleep(1.0)
+                    if slow:
+                        await asyncio.sleep(1.0)
                 self.slow_streams["ended"] += 1
+                if status == "200":
+                    await asyncio.Event().wait()  # one stream a phase: idle until the phase ends
             except OSError as exc:
                 self.count("b", "slow_reader", type(exc).__name__)
                 self.error("b", "slow_reader", repr(exc))
