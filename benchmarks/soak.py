@@ -24,8 +24,8 @@ what slow reading costs the other tenant.
 
 Measured, with the targets the summary marks PASS/FAIL: tenant a's TTFT p50/p99 per phase and p99(slow_readers) /
 p99(baseline) <= 2 (INCONCLUSIVE with fewer than 20 samples in a phase; a request the end cut off before its
-first token counts with its wait, a lower bound); RSS (VmRSS) of the API process and of the engine process every 10 s, max <= 1.10 x min over the
-last 20 minutes (the whole run when shorter); after every client stops and /metrics shows
+first token counts with its wait, a lower bound); RSS (VmRSS) of the API process and of the engine process every
+10 s, max <= 1.10 x min over the last 20 minutes (the whole run when shorter); after every client stops and /metrics shows
 tokenmill:num_requests_running == 0 and num_requests_waiting == 0: tokenmill:kv_cache_usage_perc == 0 (no KV block
 leaked; prefix-cached blocks count as free) and tokenmill:admission_saturation == 0; tenant a's requests all 200
 but for explicit 429s (counted). Requests are counted by tenant, kind and status. Writes JSON to ``--out`` (the
