@@ -186,12 +186,17 @@ def check_split(model_config: ModelConfig, size: int) -> None:
 def choose_execution(config: EngineConfig, device: str, backend: str, size: int,
                      model_config: ModelConfig) -> Execution:
     """CUDA graphs on one GPU with the Triton kernels (the PyTorch references sync the host); the compiled layer
-    stack on a CPU for models that compile (tensor-parallel ranks run eagerly); eager otherwise."""
+    stack on a CPU for models that compile (tensor-parallel ranks run eagerly); eager otherwise, with the reason in
+    the log. A compile that fails all the same falls back to eager at build (engine/warmup.py)."""
     if config.enforce_eager or size > 1:
         return "eager"
     if device == "cuda":  # DSA's selection reads the step's positions on the host (kernels/dsa.py): no graphs yet
         return "cuda_graphs" if backend == "triton" and model_config.dsa is None else "eager"
-    return "compiled" if model_class_for(model_config).compilable else "eager"
+    blocker = model_class_for(model_config).compile_blocker(model_config)
+    if blocker is not None:
+        log.info("execution: eager, since %s does not compile (%s)", model_config.architecture, blocker)
+        return "eager"
+    return "compiled"
 
 
 # --- the hardware's known answers

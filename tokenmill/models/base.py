@@ -23,11 +23,20 @@ from tokenmill.models.layers.logits import logits_with_exact_top
 from tokenmill.models.layers.vocab import vocab_rows
 
 
+def mlp_sources(index: int, mlp: nn.Module) -> dict[str, tuple[str, ...]]:
+    """For a model's ``linear_sources``: layer ``index``'s fused gate/up and down projections (a dense MLP's, or an
+    MoE's shared experts'; none for an MoE without them) -> the checkpoint modules each is made of, in row order."""
+    owner = "mlp.shared_experts" if hasattr(mlp, "shared_experts") else "mlp"
+    if owner != "mlp" and mlp.shared_experts is None:
+        return {}
+    ckpt = f"model.layers.{index}.{owner}"
+    return {f"layers.{index}.{owner}.gate_up_proj": (f"{ckpt}.gate_proj", f"{ckpt}.up_proj"),
+            f"layers.{index}.{owner}.down_proj": (f"{ckpt}.down_proj",)}
+
+
 class DecoderLM(nn.Module):
     # Parameter-name suffixes kept in float32 whatever the compute dtype.
     fp32_params: tuple[str, ...] = ()
-    # Whether ``decoder`` traces into one graph for torch.compile (models/compile.py).
-    compilable: bool = True
     # Names of nn.Linear children whose weight the model reads as a tensor: never swapped for a packed layer
     # (kernels/cpu_linear.py).
     unpacked_linears: tuple[str, ...] = ()
@@ -40,6 +49,12 @@ class DecoderLM(nn.Module):
     cpu_stack = None
     # This rank's place when the model is split across tensor-parallel ranks (a model that splits sets its own).
     tp = TensorParallel()
+
+    @classmethod
+    def compile_blocker(cls, config: ModelConfig) -> str | None:
+        """Why ``decoder`` cannot trace into one graph for torch.compile (models/compile.py) for ``config``; None where
+        it can. Whatever varies with the step's data runs inside opaque ops (kernels/attention_op.py, moe_op.py)."""
+        return None
 
     @property
     def max_position(self) -> int:

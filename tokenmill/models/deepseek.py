@@ -83,7 +83,6 @@ class DeepseekMTP(nn.Module):
 class DeepseekForCausalLM(DeepseekWeights, DecoderLM):
     fp32_params = _FP32_PARAMS
     unpacked_linears = ("kv_b_proj",)  # MLA absorbs its weight into the attention (models/layers/mla.py)
-    compilable = False  # the MoE routes tokens with data-dependent shapes (per-expert token lists): eager for now
 
     def __init__(self, config: ModelConfig, kernels: KernelChoice = KernelChoice(), mtp: bool = False,
                  tp: TensorParallel = TensorParallel()):
@@ -109,6 +108,12 @@ class DeepseekForCausalLM(DeepseekWeights, DecoderLM):
         self.mtp = DeepseekMTP(c, self.rotary, fp8_block, tp) if mtp else None
         self.requires_grad_(False)
         self.use_kernels(kernels)
+
+    @classmethod
+    def compile_blocker(cls, config: ModelConfig) -> str | None:
+        if config.dsa is not None:
+            return "DeepSeek Sparse Attention sizes its token selection from the step's positions on the host"
+        return None
 
     def kv_cache_spec(self, dtype: KVCacheDtype, block_size: int) -> KVCacheSpec:
         """The decoder layers' latent cache, plus one layer for the MTP module when it drafts."""

@@ -79,8 +79,6 @@ class LlamaForCausalLM(LlamaWeights, DecoderLM):
             for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, 1.0 if a.style.gemma_norms else 0.0)
         self.lm_head = nn.Linear(a.hidden_size, vocab_rows_per_rank(a.vocab_size, tp), bias=False)
-        # The MoE routes tokens with data-dependent shapes (per-expert token lists): eager for now.
-        self.compilable = a.moe is None
         self.requires_grad_(False)
         self.use_kernels(kernels)
 

@@ -10,6 +10,7 @@ from typing import Iterable
 import torch
 
 from tokenmill.models.expert_weights import PER_EXPERT, fused_experts
+from tokenmill.models.base import mlp_sources
 from tokenmill.models.loader import SKIP
 
 # A multimodal wrapper's text model (Gemma3ForConditionalGeneration): its prefixes as released and as
@@ -85,10 +86,7 @@ class LlamaWeights:
             ckpt = f"model.layers.{i}"
             sources[f"layers.{i}.self_attn.qkv_proj"] = tuple(f"{ckpt}.self_attn.{p}_proj" for p in "qkv")
             sources[f"layers.{i}.self_attn.o_proj"] = (f"{ckpt}.self_attn.o_proj",)
-            mlp = "mlp.shared_experts" if hasattr(layer.mlp, "shared_experts") else "mlp"
-            if mlp == "mlp" or layer.mlp.shared_experts is not None:
-                sources[f"layers.{i}.{mlp}.gate_up_proj"] = (f"{ckpt}.{mlp}.gate_proj", f"{ckpt}.{mlp}.up_proj")
-                sources[f"layers.{i}.{mlp}.down_proj"] = (f"{ckpt}.{mlp}.down_proj",)
+            sources.update(mlp_sources(i, layer.mlp))
         sources["lm_head"] = ("model.embed_tokens",) if self.config.tie_word_embeddings else ("lm_head",)
         return sources
 
