@@ -67,3 +67,22 @@ def test_processes_generating_code_for_different_isas_keep_separate_caches(tmp_p
     assert host_dir.startswith("isa-") and host_isa.split()[0] in host_dir
     # "default": ATen's generic level, where inductor generates no vector code
     assert generic_isa.strip() == "scalar" and generic_dir == "isa-scalar" and host_dir != generic_dir
+
+
+def test_models_compiled_one_after_another_in_one_process_all_compile(tmp_path, smollm_llm):
+    """Dynamo counts recompiles per code object (8): through the one ``DecoderLM.decoder`` code, the seventh model of
+    other shapes compiled in one process (a fleet with --no-engine-process, restarts, a test session), each freed
+    before the next, hit the limit and, the compile failing, ran eagerly. Each model now compiles code of its own."""
+    import gc
+
+    shapes = [("llama", 2, 16), ("llama", 1, 16), ("llama", 4, 16), ("llama", 2, 32), ("qwen2", 2, 16),
+              ("qwen2", 1, 16), ("llama", 1, 32)]
+    executions = []
+    for i, (arch, kv_heads, head_dim) in enumerate(shapes):
+        model_dir = tmp_path / f"model-{i}"
+        make_llama_checkpoint(model_dir, smollm_llm, arch, num_kv_heads=kv_heads, head_dim=head_dim)
+        llm = LLM(model=str(model_dir), enforce_eager=False, compile_cache_dir=str(tmp_path / "c"), **ENGINE)
+        executions.append(llm.engine.info.execution)
+        del llm
+        gc.collect()
+    assert executions == ["compiled"] * len(shapes)

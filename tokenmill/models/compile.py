@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import types
 from pathlib import Path
 
 import torch
@@ -54,11 +55,23 @@ def use_cache_dir(cache_dir: str | os.PathLike) -> Path:
     return path
 
 
+def own_code(method):
+    """``method`` bound to a copy of its function with a code object of its own. Dynamo keeps its graphs, and counts
+    recompiles against ``recompile_limit`` (8), per code object: models of other shapes compiled in one process
+    through the one ``DecoderLM.decoder`` code (a fleet with --no-engine-process, restarts, a test session) added
+    their graphs to one list, and the seventh tiny model of a test failed with FailOnRecompileLimitHit even though
+    the earlier ones were gone. Each model's own code object, and its graphs, go with its model."""
+    function = method.__func__
+    code = function.__code__.replace(co_name=f"{function.__name__}_{id(method.__self__):x}")
+    copy = types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
+    return types.MethodType(copy, method.__self__)
+
+
 class CompiledDecoder:
     """``model.decoder`` compiled; calls mark T dynamic (T >= 2) and never compile once ``sealed``."""
 
     def __init__(self, model: torch.nn.Module):
-        self._compiled = torch.compile(model.decoder, fullgraph=True)
+        self._compiled = torch.compile(own_code(model.decoder), fullgraph=True)
         self.sealed = False
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
