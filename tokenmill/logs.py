@@ -37,3 +37,10 @@ def configure_logging(json_lines: bool) -> None:
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)  # our own request line replaces it
+
+
+def one_line(text: str, max_lines: int = 4) -> str:
+    """A message as one log line: its first ``max_lines`` non-empty lines joined (compiler and validation errors run
+    to pages)."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return " / ".join(lines[:max_lines]) + (" / ..." if len(lines) > max_lines else "")

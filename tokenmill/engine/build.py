@@ -17,6 +17,7 @@ from tokenmill.distributed.group import TensorParallel
 from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.settle import Settled
+from tokenmill.engine.start import start_stage
 from tokenmill.engine.warmup import compile_and_warm_up
 from tokenmill.kernels.backend import KernelChoice
 from tokenmill.kernels.cpu_attention import set_prefetch_target, set_prefill_kernel
@@ -73,23 +74,33 @@ def build_runner(config: EngineConfig, settled: Settled, checkpoint: Checkpoint,
     if settled.kernel_backend == "cpu":
         set_prefetch_target(settled.attention_prefetch)
         set_prefill_kernel(settled.prefill_attention)
-    loaded = load_model_and_cache(checkpoint, model_config, config, settled, tp)
-    if settled.execution == "compiled":
-        compile_and_warm_up(loaded.model, loaded.kv_cache, config.compile_cache_dir)
-    elif settled.device == "cpu":
-        log.info("model runs eagerly (%s)", "enforce_eager" if config.enforce_eager else
-                 f"{type(loaded.model).__name__} is not compiled" if settled.tensor_parallel_size == 1 else
-                 "tensor-parallel ranks run eagerly")
+    with start_stage("loading the weights and sizing the KV cache",
+                     "--quantization int4 or int8 holds the weights in fewer bytes, a smaller --kv-cache-memory "
+                     "holds fewer KV blocks"):
+        loaded = load_model_and_cache(checkpoint, model_config, config, settled, tp)
+    with start_stage("running the model's first steps", "--kernel-backend torch runs the PyTorch references in "
+                     "place of the C kernels" if settled.kernel_backend == "cpu" else None):
+        if settled.execution == "compiled":
+            compile_and_warm_up(loaded.model, loaded.kv_cache, config.compile_cache_dir)
+        elif settled.device == "cpu" and (config.enforce_eager or settled.tensor_parallel_size > 1):
+            log.info("model runs eagerly (%s)", "enforce_eager" if config.enforce_eager else
+                     "tensor-parallel ranks run eagerly")
     if settled.kernel_backend == "cpu" and config.cpu_layer_stack:
-        loaded.model.cpu_stack = CPUDecoderStack.build(loaded.model)  # after warm-up: the compiled graph's steps ran
+        # after warm-up: the compiled graph's steps ran
+        with start_stage("building the layer stack in one C call", "--no-cpu-layer-stack runs the layers from Python"):
+            loaded.model.cpu_stack = CPUDecoderStack.build(loaded.model)
     # After the start-up timings, compile and warm-up, which populating beside them would disturb.
-    loaded.kv_cache.populate(config.kv_cache_populate, torch.get_num_threads())
+    with start_stage("populating the KV cache", "--kv-cache-populate lazy leaves it to the first requests"):
+        loaded.kv_cache.populate(config.kv_cache_populate, torch.get_num_threads())
     graphs = None
     if settled.execution == "cuda_graphs":
-        graphs = DecodeGraphs(loaded.model, loaded.kv_cache, config.max_num_seqs, loaded.max_model_len)
-        graphs.capture()
+        with start_stage("capturing CUDA graphs", "--enforce-eager runs without them"):
+            graphs = DecodeGraphs(loaded.model, loaded.kv_cache, config.max_num_seqs, loaded.max_model_len)
+            graphs.capture()
+    with start_stage(f"preparing the {settled.speculative_method} drafter", "--speculative-method off drafts nothing"):
+        proposer = make_proposer(config, settled, loaded, tp)
     runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, config.max_num_seqs, loaded.max_model_len,
-                         model_config.eos_token_ids, config.seed, make_proposer(config, settled, loaded, tp), graphs,
+                         model_config.eos_token_ids, config.seed, proposer, graphs,
                          c_kernels=settled.kernel_backend == "cpu")
     return runner, loaded
 

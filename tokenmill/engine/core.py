@@ -28,6 +28,7 @@ from tokenmill.engine.isolation import StepIsolation, error_code, error_output, 
 from tokenmill.engine.messages import EngineInfo, EngineRequest, EngineStats, RequestOutput, StepOutputs
 from tokenmill.engine.ranks import WorkerRanks
 from tokenmill.engine.settle import settle
+from tokenmill.engine.start import MEASUREMENTS_AVOIDED, start_stage
 from tokenmill.kvcache.manager import KVCacheManager
 from tokenmill.kvcache.prefix import scoped_salt
 from tokenmill.models.pooling import read_pooling
@@ -52,11 +53,14 @@ class EngineCore:
         if config.rank:
             raise ConfigError(f"rank {config.rank} of a multi-node launch runs no engine core: start it with "
                               f"`tokenmill serve`, which joins rank 0")
-        checkpoint, self.tokenizer, self.model_config = open_model(config)
-        self.config, self.settled = config, settle(config, self.model_config)
+        with start_stage(f"reading the model at {config.model}"):
+            checkpoint, self.tokenizer, self.model_config = open_model(config)
+        with start_stage("the start-up measurements", MEASUREMENTS_AVOIDED):
+            self.config, self.settled = config, settle(config, self.model_config)
         self.ranks = None  # worker ranks 1..N-1 under tensor parallelism
         if self.settled.tensor_parallel_size > 1:
-            self.ranks = WorkerRanks(config, self.settled)
+            with start_stage("starting the tensor-parallel ranks", "--tensor-parallel-size 1 runs one rank"):
+                self.ranks = WorkerRanks(config, self.settled)
             atexit.register(self.close)
         try:
             self.runner, loaded = build_runner(config, self.settled, checkpoint, self.model_config,
@@ -90,10 +94,13 @@ class EngineCore:
             vocab_size=vocab_size, kv_capacity_tokens=kv.capacity_tokens, kv_bytes_per_token=spec.bytes_per_token,
             device=str(loaded.device), dtype=self.settled.dtype, eos_token_ids=eos,
             weight_bytes=loaded.model.weight_bytes(), kv_groups=spec.groups, kv_block_size=spec.block_size,
-            hidden_size=loaded.model.config.hidden_size, pooling=read_pooling(checkpoint.path))
+            hidden_size=loaded.model.config.hidden_size, pooling=read_pooling(checkpoint.path),
+            execution="compiled" if loaded.model.compiled_decoder is not None else
+            "cuda_graphs" if self.runner.graphs is not None else "eager")
         groups = spec.groups
-        log.info("engine ready: model=%s device=%s dtype=%s kv=%s blocks=%d (%d tokens, %d bytes/token)%s",
-                 self.info.model_name, loaded.device, self.settled.dtype, spec.dtype, kv.pool.num_blocks,
+        log.info("engine ready: model=%s device=%s dtype=%s execution=%s kv=%s blocks=%d (%d tokens, %d bytes/token)%s",
+                 self.info.model_name, loaded.device, self.settled.dtype, self.info.execution, spec.dtype,
+                 kv.pool.num_blocks,
                  kv.capacity_tokens, spec.bytes_per_token,
                  "" if groups.num_groups == 1 else f"; {groups.num_groups} KV groups of {groups.group_size} layers, "
                  f"windows {sorted(set(groups.windows))}")

@@ -115,6 +115,8 @@ class EngineInfo:
     kv_block_size: int = 16
     hidden_size: int = 0  # of the final hidden states (an embedding's dimensions)
     pooling: Pooling = field(default_factory=lambda: Pooling("last", True, "default"))  # /v1/embeddings' pooling
+    # How the model runs, as built: "compiled" | "eager" | "cuda_graphs" (a compile that failed runs eagerly).
+    execution: str = "eager"
 
     def kv_tokens_held(self, num_tokens: int) -> int:
         """Of ``kv_capacity_tokens``, what a request of ``num_tokens`` tokens holds at most while it decodes: the

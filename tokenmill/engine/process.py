@@ -31,6 +31,7 @@ import zmq
 from tokenmill.config import EngineConfig
 from tokenmill.engine.isolation import error_output
 from tokenmill.engine.messages import EngineInfo, EngineRequest, RequestOutput, StepOutputs
+from tokenmill.engine.start import describe
 from tokenmill.logs import configure_logging
 from tokenmill.runtime import exit_with_parent
 
@@ -246,7 +247,7 @@ def run_engine_process(config: dict[str, Any], to_engine: str, from_engine: str)
         use_devices(engine_config.devices)
         core = EngineCore(engine_config)
     except BaseException as exc:  # noqa: BLE001 - reported to the API process, which exits non-zero
-        push.send_multipart([_ERROR, encoder.encode(f"{type(exc).__name__}: {exc}")])
+        push.send_multipart([_ERROR, encoder.encode(describe(exc))])  # one line: engine/start.py
         push.close(linger=5000)
         return
     push.send_multipart([_READY, encoder.encode(core.info)])

@@ -21,6 +21,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from tokenmill.config import EngineConfig, RouteSpec
+from tokenmill.logs import one_line
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.serving import ServerContext
@@ -106,7 +107,7 @@ class ModelHost:
         try:
             ctx = self._load(self.config, lambda exc: self._engine_failed(exc, generation))
         except BaseException as exc:  # noqa: BLE001 - the model's status and the log say why
-            log.error("model %s failed to load: %s", self.name or "", exc)
+            log.error("model %sfailed to load: %s", f"{self.name} " if self.name else "", one_line(str(exc)))
             with self._lock:
                 self.error, restarting = exc, delay > 0
                 self.status, self._loading = "failed", False

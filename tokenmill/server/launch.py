@@ -26,7 +26,7 @@ import uvicorn
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.client import EngineClient
-from tokenmill.logs import configure_logging
+from tokenmill.logs import configure_logging, one_line
 from tokenmill.server.admission import Admission
 from tokenmill.server.app import ServerState, build_app
 from tokenmill.server.auth import authenticator_for
@@ -152,7 +152,7 @@ def serve(config: EngineConfig) -> int:
         failures.append(exc)
         delay = ENGINE_FAILURE_EXIT_DELAY if host.served else 0.0
         log.error("%s (%s): exiting in %.0f s", "the engine failed" if host.served else "a model failed to load",
-                  exc, delay)
+                  one_line(str(exc)), delay)
         threading.Timer(delay, lambda: setattr(server, "should_exit", True)).start()
 
     state = build_state(config, model_failed)
