@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.fp8 import dequantize_fp8_blocks
+from tokenmill.models.base import mlp_sources
 from tokenmill.models.loader import SKIP
 
 # The routed experts' weights in the released per-expert layout (the one fp8 checkpoints use).
@@ -135,6 +136,31 @@ class DeepseekWeights:
         if pending:
             raise ValueError(f"fp8 weights without their scales (or scales without weights): {sorted(pending)[:3]}")
 
+    def linear_sources(self) -> dict[str, tuple[str, ...]]:
+        """The linear layers ``--quantization int8|int4|fp8`` may round (module path -> the checkpoint modules its
+        weight is made of, in row order): the decoder layers' attention projections and dense or shared-expert MLPs,
+        and the LM head. Full precision stay ``kv_b_proj`` (MLA reads its weight as a tensor), DSA's indexer (it
+        ranks tokens), the routed experts (kernels/fused_moe.py) and the MTP module's layer."""
+        sources = {}
+        for i, layer in enumerate(self.layers):
+            ckpt, attn = f"model.layers.{i}", layer.self_attn
+            projections = ("q_a_proj", "q_b_proj") if attn.q_lora_rank else ("q_proj",)
+            for part in (*projections, "kv_a_proj_with_mqa", "o_proj"):
+                sources[f"layers.{i}.self_attn.{part}"] = (f"{ckpt}.self_attn.{part}",)
+            sources.update(mlp_sources(i, layer.mlp))
+        sources["lm_head"] = ("model.embed_tokens",) if self.config.tie_word_embeddings else ("lm_head",)
+        return sources
+
+    def _copy_to_quantized(self, name: str, tensor: torch.Tensor, filled: dict[str, int]) -> bool:
+        """A full-precision weight aimed at a layer ``--quantization`` rounds (QuantLinear): rounded into it (gate and
+        up into their halves of the fused layer). False for any other tensor."""
+        n = name.removeprefix("model.")
+        offset = None
+        if m := re.fullmatch(r"(.*mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight", n):
+            n = f"{m.group(1)}.gate_up_proj.weight"
+            offset = 0 if m.group(2) == "gate" else tensor.shape[0]
+        return self.copy_quantized(n, offset, tensor, filled)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
@@ -144,6 +170,8 @@ class DeepseekWeights:
                 name = self._mtp_name(name)  # a multi-token-prediction layer
                 if name is None:
                     continue
+            if self._copy_to_quantized(name, tensor, filled):
+                continue
             dst, canonical = self._target(name, params)
             self.copy_weight(canonical, dst, tensor, filled)
         self.finish_loading(filled, self.config.tie_word_embeddings)
