@@ -52,10 +52,10 @@ def warm_up(model: torch.nn.Module, kv_cache: KVCache, token_counts: tuple[int, 
     return time.perf_counter() - start
 
 
-def compile_and_warm_up(model: torch.nn.Module, kv_cache: KVCache, compile_cache_dir: str) -> bool:
+def compile_and_warm_up(model: torch.nn.Module, kv_cache: KVCache, compile_cache_dir: str) -> None:
     """Compile the layer stack (models/compile.py) and run each shape class once, so that serving never compiles.
-    False where the compiler failed: the model then runs eagerly (logged with the cause) once an eager step of each
-    shape class ran, so that only a model that cannot run at all fails the start."""
+    Where the compiler fails, ``model.compiled_decoder`` stays None and the model runs eagerly (logged with the cause)
+    once an eager step of each shape class ran, so that only a model that cannot run at all fails the start."""
     cache_dir = use_cache_dir(compile_cache_dir)
     compiled = CompiledDecoder(model)
     model.compiled_decoder = compiled
@@ -67,8 +67,7 @@ def compile_and_warm_up(model: torch.nn.Module, kv_cache: KVCache, compile_cache
                     "attempt", type(exc).__name__, one_line(str(exc), max_lines=1))
         log.debug("the compiler's failure", exc_info=exc)
         warm_up(model, kv_cache, WARM_UP_TOKENS)  # the eager model must run: a failure here is the model's own
-        return False
+        return
     compiled.sealed = True
     log.info("compiled the layer stack in %.1f s (shape classes: 1 token, 2+ tokens; generated code cached in %s)",
              seconds, cache_dir)
-    return True

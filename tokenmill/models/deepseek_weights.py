@@ -15,6 +15,8 @@ from tokenmill.models.loader import SKIP
 
 # The routed experts' weights in the released per-expert layout (the one fp8 checkpoints use).
 _ROUTED_EXPERT_WEIGHT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+# A dense MLP's or the shared experts' gate or up weight: one half of the model's fused gate_up_proj.
+_GATE_OR_UP = re.compile(r"(.*mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight")
 
 
 class DeepseekWeights:
@@ -103,7 +105,7 @@ class DeepseekWeights:
         n = re.sub(r"mlp\.experts\.down_proj$", "mlp.w_down", n)
         n = re.sub(r"mlp\.gate\.weight$", "mlp.gate_weight", n)
         n = re.sub(r"mlp\.gate\.e_score_correction_bias$", "mlp.e_score_correction_bias", n)
-        if m := re.fullmatch(r"(.*mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight", n):
+        if m := _GATE_OR_UP.fullmatch(n):
             full = params[f"{m.group(1)}.gate_up_proj.weight"].data
             half = full.shape[0] // 2
             return (full[:half] if m.group(2) == "gate" else full[half:]), f"{m.group(1)}.gate_up_proj.weight"
@@ -156,7 +158,7 @@ class DeepseekWeights:
         up into their halves of the fused layer). False for any other tensor."""
         n = name.removeprefix("model.")
         offset = None
-        if m := re.fullmatch(r"(.*mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight", n):
+        if m := _GATE_OR_UP.fullmatch(n):
             n = f"{m.group(1)}.gate_up_proj.weight"
             offset = 0 if m.group(2) == "gate" else tensor.shape[0]
         return self.copy_quantized(n, offset, tensor, filled)

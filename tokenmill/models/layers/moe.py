@@ -11,8 +11,7 @@ from torch import nn
 
 from tokenmill.distributed.group import TensorParallel
 from tokenmill.kernels.backend import KernelChoice
-from tokenmill.kernels.fused_moe import ExpertActivation, Fp8BlockScales, fused_moe
-from tokenmill.kernels.moe_op import routed_experts
+from tokenmill.kernels.moe_op import routed_experts, run_routed_experts
 from tokenmill.models.config import MoEConfig, tp_split
 from tokenmill.models.layers.mlp import SwiGLU
 
@@ -92,19 +91,14 @@ class MoE(nn.Module):
             local = self.w_gate_up.shape[0]
             ids = ids - self.first_expert
             ids = ids.masked_fill((ids < 0) | (ids >= local), local)
+        biases = (self.w_gate_up_bias, self.w_down_bias) if self.cfg.expert_bias else (None, None)
+        scales = (self.w_gate_up_scale, self.w_down_scale, *self.fp8_block) if self.fp8_block else (None, None, 0, 0)
+        experts = (x, self.w_gate_up, self.w_down, weights, ids, self.kernels.backend, *biases, self.cfg.swiglu_alpha,
+                   self.cfg.swiglu_limit, *scales)
         if self.kernels.backend == "triton":  # under CUDA graphs, never traced: with its launch-config tuner
-            scales = Fp8BlockScales(self.w_gate_up_scale, self.w_down_scale, self.fp8_block) if self.fp8_block \
-                else None
-            experts = ExpertActivation(self.cfg.activation, self.cfg.swiglu_alpha, self.cfg.swiglu_limit,
-                                       self.w_gate_up_bias, self.w_down_bias) if self.cfg.expert_bias else None
-            out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids, scales, backend="triton",
-                            tuner=self.kernels.moe_tuner, activation=experts)
+            out = run_routed_experts(*experts, tuner=self.kernels.moe_tuner)
         else:  # one opaque op, so that a compiled forward traces past the data-dependent expert loop
-            biases = (self.w_gate_up_bias, self.w_down_bias) if self.cfg.expert_bias else (None, None)
-            scales = (self.w_gate_up_scale, self.w_down_scale, *self.fp8_block) if self.fp8_block \
-                else (None, None, 0, 0)
-            out = routed_experts(x, self.w_gate_up, self.w_down, weights, ids, self.kernels.backend, *biases,
-                                 self.cfg.swiglu_alpha, self.cfg.swiglu_limit, *scales)
+            out = routed_experts(*experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
